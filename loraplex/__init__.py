@@ -1,0 +1,1 @@
+"""loraplex: serve many LoRA adapters on one shared base model."""

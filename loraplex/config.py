@@ -1,0 +1,243 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` is read from a Hugging Face `config.json`; the others are engine knobs with defaults
+that suit the CPU reference path. Derived values are properties, never stored twice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16") from None
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE parameters normalised from `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> RopeConfig:
+        params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        if params and any(isinstance(v, dict) for v in params.values()):
+            raise ValueError("per-layer-type RoPE parameters are not supported")
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported RoPE scaling type {rope_type!r} (supported: default, linear, llama3)")
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        original = params.get(
+            "original_max_position_embeddings",
+            raw.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192)),
+        )
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v bias (Qwen2 always; Llama when attention_bias is set)
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
+    layer_sliding_windows: tuple[int | None, ...]  # per layer: attend to the last N positions, or all
+    rope: RopeConfig
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} is not a model directory: config.json not found")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        n_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        head_dim = raw.get("head_dim") or hidden // n_heads
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        n_layers = int(raw["num_hidden_layers"])
+        window = raw.get("sliding_window")
+        # Mistral applies its window to every layer whenever one is configured; Qwen2/3 only with
+        # use_sliding_window, from max_window_layers on (or as `layer_types` says).
+        if arch == "MistralForCausalLM":
+            layer_windows = (int(window) if window else None,) * n_layers
+        elif raw.get("use_sliding_window", False) and window:
+            types = raw.get("layer_types") or [
+                "sliding_attention" if i >= int(raw.get("max_window_layers", 0)) else "full_attention"
+                for i in range(n_layers)
+            ]
+            layer_windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+        else:
+            layer_windows = (None,) * n_layers
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
+            o_proj_bias=(not is_qwen2) and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            layer_sliding_windows=layer_windows,
+            rope=RopeConfig.from_hf(raw),
+            hidden_act=act,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def module_dims(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of every LoRA-targetable projection, by target name."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q": (h, self.q_size),
+            "k": (h, self.kv_size),
+            "v": (h, self.kv_size),
+            "o": (self.q_size, h),
+            "gate": (h, i),
+            "up": (h, i),
+            "down": (i, h),
+        }
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from max_num_seqs * max_model_len
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_rank: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_rank <= 0:
+            raise ValueError("max_rank must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decode rows)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor parallelism is not implemented yet (tensor_parallel_size must be 1)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)

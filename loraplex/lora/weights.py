@@ -1,0 +1,97 @@
+"""Normalized adapter weights and the slot table the LoRA op reads them through.
+
+Every adapter is stored at its own rank (never padded to a global maximum): one `LoRAPair`
+(A: [r, d_in], B: [d_out, r], scale) per (layer, target) it adapts. The engine gives each
+registered revision a *slot*; the LoRA op receives slot ids in the batch metadata and looks the
+weights up here. Ranks and scales live with the weights rather than in the per-step metadata
+because `rank_pattern` / `alpha_pattern` make them vary per module within one adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.lora.layout import GROUP_SLICES, TARGET_GROUP
+
+
+@dataclass(frozen=True)
+class LoRAPair:
+    a: torch.Tensor  # [r, d_in]
+    b: torch.Tensor  # [d_out, r]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter in the execution layout: (layer index, target name) -> LoRAPair."""
+
+    pairs: Mapping[tuple[int, str], LoRAPair]
+
+    @property
+    def max_rank(self) -> int:
+        return max((p.rank for p in self.pairs.values()), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pairs.values())
+
+    @property
+    def groups(self) -> frozenset[tuple[int, str]]:
+        """(layer, group) pairs in which this adapter adapts at least one slice."""
+        return frozenset((layer, TARGET_GROUP[t]) for layer, t in self.pairs)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> AdapterWeights:
+        return AdapterWeights(
+            {
+                k: LoRAPair(p.a.to(device=device, dtype=dtype), p.b.to(device=device, dtype=dtype), p.scale)
+                for k, p in self.pairs.items()
+            }
+        )
+
+
+class LoRASlotTable:
+    """slot -> adapter weights, as seen by the LoRA op.
+
+    Slots are small integers handed out by the engine; a slot is only reassigned after the
+    engine has released every request holding it, so a running request never sees its
+    weights change underneath it.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._slots: dict[int, AdapterWeights] = {}
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def set(self, slot: int, weights: AdapterWeights) -> None:
+        self._slots[slot] = weights
+
+    def clear(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    def weights(self, slot: int) -> AdapterWeights:
+        return self._slots[slot]
+
+    def pair(self, slot: int, layer: int, target: str) -> LoRAPair | None:
+        return self._slots[slot].pairs.get((layer, target))
+
+    def groups_of(self, slot: int) -> frozenset[tuple[int, str]]:
+        return self._slots[slot].groups
+
+    def slices(self, layer: int, group: str) -> tuple[str, ...]:
+        return GROUP_SLICES[group]
