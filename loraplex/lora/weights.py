@@ -71,6 +71,9 @@ class LoRASlotTable:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self._slots: dict[int, AdapterWeights] = {}
+        # Bumped on every change, so device-side copies (pointer tables, CUDA-graph buffers) know
+        # when to refresh without diffing.
+        self.version = 0
 
     def __contains__(self, slot: int) -> bool:
         return slot in self._slots
@@ -80,9 +83,14 @@ class LoRASlotTable:
 
     def set(self, slot: int, weights: AdapterWeights) -> None:
         self._slots[slot] = weights
+        self.version += 1
 
     def clear(self, slot: int) -> None:
-        self._slots.pop(slot, None)
+        if self._slots.pop(slot, None) is not None:
+            self.version += 1
+
+    def items(self) -> list[tuple[int, AdapterWeights]]:
+        return sorted(self._slots.items())
 
     def weights(self, slot: int) -> AdapterWeights:
         return self._slots[slot]
