@@ -1,0 +1,214 @@
+"""The engine: requests in, one batched step at a time, tokens out.
+
+    step() = schedule (ids) -> run the model (tensors) -> sample -> postprocess (stop checks)
+
+Requests of any adapter (or none) share each step; every request keeps the adapter revision it
+was admitted with until it finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraplex.adapters.registry import AdapterRegistry
+from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.model_runner import ForwardResult, ModelRunner
+from loraplex.engine.sampler import Sampler, logprob_dicts
+from loraplex.engine.scheduler import Scheduler, StepPlan
+from loraplex.engine.sequence import Sequence
+from loraplex.engine.stats import StepStats
+from loraplex.engine.stop import StopChecker
+from loraplex.kv.block_pool import BlockPool
+from loraplex.kv.kv_cache import PagedKVCache
+from loraplex.lora.backend import make_lora_backend
+from loraplex.lora.weights import LoRASlotTable
+from loraplex.model.loader import load_model
+from loraplex.model.tokenizer import load_tokenizer
+from loraplex.types import AdapterRef, RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        mc = self.model_config
+        self.model = load_model(config.model_dir, dtype, self.device, progress=progress)
+        self.tokenizer = load_tokenizer(Path(config.model_dir))
+        self.max_model_len = config.cache.max_model_len or mc.max_position_embeddings
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or (
+            config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
+        )
+        self.pool = BlockPool(num_blocks)
+        self.kv = PagedKVCache(
+            mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim, dtype, self.device
+        )
+        self.lora_table = LoRASlotTable(mc.num_hidden_layers)
+        self.lora_backend = make_lora_backend(self.device)
+        self.adapters = AdapterRegistry(mc, config.lora.max_rank, self.lora_table, dtype, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.pool, block_size)
+        self.runner = ModelRunner(self.model, self.kv, self.lora_table, self.lora_backend, self.device)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.stop = StopChecker(self.tokenizer, self._eos_ids())
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.last_stats: StepStats | None = None
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def register_adapter(self, name: str, path: str | Path) -> AdapterRef:
+        return self.adapters.register(name, path)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | AdapterRef | None = None,
+    ) -> None:
+        """Validate, resolve the adapter to an immutable revision, and queue the request.
+
+        Raises ValueError (nothing is queued or held) for a duplicate id, an empty or too long
+        prompt, out-of-vocabulary token ids, or an unknown adapter.
+        """
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self._tokenize(prompt)
+        limit = self.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the context length is {limit}")
+        worst_case = min(len(token_ids) + params.max_tokens, limit)
+        if self.scheduler.blocks_for(worst_case) > self.pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {worst_case} tokens of KV cache, more than the pool's "
+                f"{self.pool.num_blocks * self.kv.block_size}"
+            )
+        ref, slot = self.adapters.acquire(adapter)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq = Sequence(request_id, token_ids, params, ref, slot, next(self._arrivals), generator)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now, freeing its KV blocks and its hold on the adapter revision."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        seq.finish_reason = "abort"
+        self._finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def output(self, request_id: str) -> RequestOutput:
+        seq = self._seqs[request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            adapter=seq.adapter,
+            token_ids=list(seq.output_token_ids),
+            text=seq.text,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's state (call after reading its output)."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and seq.is_finished:
+            del self._seqs[request_id]
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            self.last_stats = None
+            return []
+        calls_before = self.lora_backend.total_calls
+        result = self.runner.run(plan)
+        deltas = self._postprocess(plan, result)
+        self.last_stats = StepStats.of(
+            plan, result.lora_meta, self.lora_backend.total_calls - calls_before, self.scheduler, self.pool
+        )
+        return deltas
+
+    def _postprocess(self, plan: StepPlan, result: ForwardResult) -> list[RequestDelta]:
+        self._record_prompt_logprobs(plan, result)
+        for chunk in plan.chunks:
+            chunk.seq.num_computed += chunk.num_tokens
+        if not result.sample_chunks:
+            return []
+        seqs = [plan.chunks[i].seq for i in result.sample_chunks]
+        sampled = self.sampler(result.sample_logits, [s.params for s in seqs], [s.generator for s in seqs])
+        deltas = []
+        for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            seq.output_token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            reason = self.stop.check(seq, self.max_model_len)
+            if reason is not None:
+                seq.finish_reason = reason
+                self._finish(seq)
+            deltas.append(RequestDelta(seq.request_id, [token], seq.is_finished, seq.finish_reason))
+        return deltas
+
+    def _record_prompt_logprobs(self, plan: StepPlan, result: ForwardResult) -> None:
+        if not result.prompt_rows:
+            return
+        lps = torch.log_softmax(result.prompt_logits, dim=-1)
+        seqs = [plan.chunks[r.chunk].seq for r in result.prompt_rows]
+        actual = [s.prompt_token_ids[r.position] for s, r in zip(seqs, result.prompt_rows, strict=True)]
+        dicts = logprob_dicts(lps, actual, [s.params.prompt_logprobs for s in seqs])
+        for seq, d in zip(seqs, dicts, strict=True):
+            seq.prompt_logprobs.append(d)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.adapters.release(seq.adapter)
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as token ids")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)

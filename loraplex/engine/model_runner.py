@@ -1,0 +1,111 @@
+"""Turns a step plan into tensors, runs the model once, and returns the logits rows the engine needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.scheduler import StepPlan
+from loraplex.kv.kv_cache import PagedKVCache
+from loraplex.layers.attention import AttentionMetadata
+from loraplex.layers.linear import LoRABackend, LoRAStep
+from loraplex.lora.metadata import LoRABatchMetadata
+from loraplex.lora.weights import LoRASlotTable
+from loraplex.model.llama import LlamaFamilyModel
+
+
+@dataclass(frozen=True)
+class PromptLogprobRow:
+    chunk: int  # index into plan.chunks
+    position: int  # prompt position whose token this row predicts (>= 1)
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    sample_logits: torch.Tensor  # [n_sample, V] float32, one row per completing chunk (plan order)
+    sample_chunks: tuple[int, ...]  # chunk index of each sample row
+    prompt_logits: torch.Tensor  # [n_prompt, V] float32
+    prompt_rows: tuple[PromptLogprobRow, ...]
+    lora_meta: LoRABatchMetadata
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaFamilyModel,
+        kv: PagedKVCache,
+        lora_table: LoRASlotTable,
+        lora_backend: LoRABackend,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.lora_table = lora_table
+        self.lora_backend = lora_backend
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, hidden_capture: dict[int, torch.Tensor] | None = None) -> ForwardResult:
+        bs = self.kv.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        row_slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        kv_indices: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_meta: list[PromptLogprobRow] = []
+        for ci, chunk in enumerate(plan.chunks):
+            seq = chunk.seq
+            start = seq.num_computed
+            end = start + chunk.num_tokens
+            table = seq.block_ids
+            for pos in range(start, end):
+                input_ids.append(seq.token_at(pos))
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+                row_slots.append(seq.slot)
+            wants_prompt_lp = seq.params.prompt_logprobs is not None
+            if wants_prompt_lp:
+                # Row at position p predicts prompt token p + 1; skip entries already recorded
+                # (a preempted sequence recomputes its prefix).
+                first = max(start, len(seq.prompt_logprobs) - 1)  # prompt_logprobs starts as [None]
+                for pos in range(first, min(end, seq.prompt_len - 1)):
+                    prompt_rows.append(len(input_ids) - (end - pos))
+                    prompt_meta.append(PromptLogprobRow(ci, pos + 1))
+            if chunk.completes:
+                sample_rows.append(len(input_ids) - 1)
+                sample_chunks.append(ci)
+            query_start.append(len(input_ids))
+            context_lens.append(end)
+            pos_all = torch.arange(end)
+            blocks = torch.tensor(table, dtype=torch.int64)
+            kv_indices.append((blocks[pos_all // bs] * bs + pos_all % bs).to(self.device))
+
+        dev = self.device
+        attn = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start=tuple(query_start),
+            context_lens=tuple(context_lens),
+            kv_indices=tuple(kv_indices),
+            block_tables=tuple(tuple(c.seq.block_ids) for c in plan.chunks),
+        )
+        lora_meta = LoRABatchMetadata.build(row_slots, self.lora_table, dev)
+        lora = LoRAStep(lora_meta, self.lora_table, self.lora_backend) if lora_meta.num_segments else None
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, attn, self.kv.k, self.kv.v, lora, hidden_capture)
+        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=dev)
+        logits = self.model.logits(hidden.index_select(0, rows)).float()
+        n = len(sample_rows)
+        return ForwardResult(
+            sample_logits=logits[:n],
+            sample_chunks=tuple(sample_chunks),
+            prompt_logits=logits[n:],
+            prompt_rows=tuple(prompt_meta),
+            lora_meta=lora_meta,
+        )

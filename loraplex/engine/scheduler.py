@@ -1,0 +1,129 @@
+"""FCFS continuous-batching scheduler with chunked prefill and preemption by recomputation.
+
+Works on sequences and block ids only; the model runner turns its plan into tensors. Each step:
+running sequences first (in arrival order; a decoding sequence asks for one row, a sequence
+still prefilling for its next chunk), then waiting sequences in arrival order while the token
+budget, the sequence limit and the KV pool allow. A waiting sequence that does not fit blocks
+the ones behind it (strict FCFS). When a running sequence needs a block and none is free, the
+latest-arrived running sequence is preempted: its blocks are freed and it goes back to the
+waiting queue, to be recomputed from its prompt and generated tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplex.config import SchedulerConfig
+from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.kv.block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # rows this step: positions num_computed .. num_computed + num_tokens - 1
+    is_decode: bool  # one new row of a sequence that has generated tokens (not a (re)computed prefix)
+
+    @property
+    def completes(self) -> bool:
+        """True if after this chunk every known token is computed, so a new token is sampled."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...]  # request ids preempted while planning this step
+
+    @property
+    def num_rows(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = block_size
+        self.waiting: list[Sequence] = []  # kept sorted by arrival
+        self.running: list[Sequence] = []  # kept sorted by arrival
+        self.total_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._insert_waiting(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            need = self.blocks_for(seq.num_computed + n) - len(seq.block_ids)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            seq.block_ids.extend(self.pool.allocate(need))
+            chunks.append(ScheduledChunk(seq, n, _is_decode(seq, n)))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            need = self.blocks_for(seq.num_computed + n) - len(seq.block_ids)
+            if need > self.pool.num_free:
+                break
+            self.waiting.pop(0)
+            seq.block_ids.extend(self.pool.allocate(need))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, n, _is_decode(seq, n)))
+            budget -= n
+        return StepPlan(tuple(chunks), tuple(preempted))
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free_blocks(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.total_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self._insert_waiting(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        pos = len(self.waiting)
+        while pos > 0 and self.waiting[pos - 1].arrival > seq.arrival:
+            pos -= 1
+        self.waiting.insert(pos, seq)
+
+
+def _is_decode(seq: Sequence, n: int) -> bool:
+    return n == 1 and seq.num_uncomputed == 1 and bool(seq.output_token_ids)

@@ -1,0 +1,57 @@
+"""Per-request state the scheduler and engine track (ids and integers; the one tensor-side object
+is the request's private sampling generator)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex.types import AdapterRef, Logprobs, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: AdapterRef | None
+    slot: int  # LoRA slot of the adapter revision, or BASE_SLOT
+    arrival: int  # admission order; FCFS and preemption priority
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+    logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token_at(self, position: int) -> int:
+        p = self.prompt_len
+        return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,96 @@
+"""Offline Python API: `LLM(model_dir).generate(prompts, params, adapters=[...])`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from loraplex.engine.engine import Engine
+from loraplex.types import AdapterRef, RequestOutput, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        max_lora_rank: int = 64,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_model_len: int | None = None,
+        progress: bool = False,
+    ) -> None:
+        config = EngineConfig(
+            model_dir=str(model),
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, max_model_len=max_model_len),
+            lora=LoRAConfig(max_rank=max_lora_rank),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
+        )
+        self.engine = Engine(config, progress=progress)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 (a transformers tokenizer, or None)
+        return self.engine.tokenizer
+
+    def register_adapter(self, name: str, path: str | Path) -> AdapterRef:
+        """Import a PEFT adapter; returns its immutable revision. Raises ValueError naming the problem."""
+        return self.engine.register_adapter(name, path)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: str | AdapterRef | None | Sequence[str | AdapterRef | None] = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs come back in prompt order.
+
+        `adapters` gives, per prompt, None (base model), a name (its latest revision) or
+        `name@revision`; a single value applies to every prompt. Every request is validated and
+        resolved before any runs, so one bad entry raises ValueError and nothing runs.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), SamplingParams)
+        adapter_specs = _per_prompt(adapters, len(prompts), (str, AdapterRef, type(None)))
+        request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        engine = self.engine
+        added: list[str] = []
+        try:
+            for rid, prompt, p, a in zip(request_ids, prompts, params, adapter_specs, strict=True):
+                engine.add_request(rid, prompt, p, a)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                engine.abort(rid)
+                engine.release(rid)
+            raise
+        while any(not engine.output(rid).finished for rid in request_ids):
+            engine.step()
+        outputs = [engine.output(rid) for rid in request_ids]
+        for rid in request_ids:
+            engine.release(rid)
+        return outputs
+
+
+def _per_prompt(value, n: int, single_types) -> list:  # noqa: ANN001
+    if isinstance(value, single_types):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} entries for {n} prompts")
+    return values

@@ -1,0 +1,148 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) in the execution layout.
+
+Differences inside the family are configuration, not code: GQA/MQA and explicit head_dim, q/k/v
+(and o) biases, Qwen3's per-head q/k RMSNorm, sliding windows, tied embeddings, RoPE scaling.
+q/k/v run as one fused projection and gate/up as another; LoRA adapters still target each
+logical projection through the output slices of the fused layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.config import ModelConfig
+from loraplex.layers.attention import AttentionMetadata, paged_attention
+from loraplex.layers.linear import ColumnParallelLinear, LoRAStep, RowParallelLinear
+from loraplex.layers.norm import RMSNorm
+from loraplex.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.layer_sliding_windows[layer]
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            cfg.q_size + 2 * cfg.kv_size,
+            bias=cfg.attention_bias,
+            layer=layer,
+            group="qkv",
+            slice_sizes=(cfg.q_size, cfg.kv_size, cfg.kv_size),
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, layer=layer, group="o", slice_sizes=(cfg.hidden_size,), dtype=dtype
+        )
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        lora: LoRAStep | None,
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x, lora)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q = qkv[:, :q_size].reshape(t, self.n_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(t, self.n_kv, self.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(t, self.n_kv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(attn.positions, q, k)
+        o = paged_attention(q, k, v.contiguous(), k_cache, v_cache, attn, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, q_size), lora)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, 2 * i, bias=cfg.mlp_bias, layer=layer, group="gate_up", slice_sizes=(i, i), dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(
+            i, cfg.hidden_size, bias=cfg.mlp_bias, layer=layer, group="down", slice_sizes=(cfg.hidden_size,), dtype=dtype
+        )
+        self.intermediate = i
+
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)
+        h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        return self.down_proj(h, lora)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, dtype)
+        self.mlp = MLP(cfg, layer, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        lora: LoRAStep | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, k_cache, v_cache, attn, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+
+class LlamaFamilyModel(nn.Module):
+    """forward() maps token rows to final hidden states; logits() applies the LM head to selected rows."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attn: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        lora: LoRAStep | None,
+        hidden_capture: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """input_ids: [T] -> final normed hidden states [T, hidden].
+
+        hidden_capture, if given, receives the residual stream entering each layer i (key i) and
+        the final normed output (key num_layers), for layer-by-layer comparisons.
+        """
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            if hidden_capture is not None:
+                hidden_capture[i] = x
+            x = layer(x, self.rotary, k_caches[i], v_caches[i], attn, lora)
+        x = self.norm(x)
+        if hidden_capture is not None:
+            hidden_capture[len(self.layers)] = x
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight)
