@@ -41,20 +41,22 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     transformers' warpers in that order. Greedy rows: every token but the argmax is -inf and the
     argmax is 0.0 (a point mass on the greedy choice).
     """
-    n, vocab = logits.shape
+    vocab = logits.shape[-1]
     device = logits.device
-    # logits / t with t a float32 tensor is bit-identical to transformers' `scores / temperature`.
+    # Dividing by a float32 tensor gives the same bits as transformers' `scores / temperature` (CPU).
+    # Greedy rows get 1.0 here and are replaced by their point mass below.
     temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device)
     out = logits.float() / temps[:, None]  # [N, V], a fresh tensor we may write into
 
     topk_rows = [i for i, p in enumerate(params) if not p.greedy and 0 < p.top_k < vocab]
     if topk_rows:
         rows = torch.tensor(topk_rows, device=device)
-        ks = torch.tensor([params[i].top_k for i in topk_rows], device=device)
+        k_list = [params[i].top_k for i in topk_rows]
+        ks = torch.tensor(k_list, device=device)
         sub = out[rows]
         # Like TopKLogitsWarper: drop what is strictly below the k-th largest value, so ties with
         # the k-th value all survive.
-        top_vals = torch.topk(sub, int(ks.max()), dim=-1).values  # [R, kmax], descending
+        top_vals = torch.topk(sub, max(k_list), dim=-1).values  # [R, kmax], descending
         kth = top_vals.gather(1, (ks - 1)[:, None])
         out[rows] = sub.masked_fill(sub < kth, _NEG_INF)
 
@@ -118,11 +120,14 @@ def logprob_dicts(
     return out
 
 
-def _gumbel(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    # torch.rand is in [0, 1): -log(u) is never 0, so no token wins outright; u == 0 (-log(u) = inf)
-    # is clamped so the only surviving token of a row can still win (never a masked one).
-    u = torch.rand(shape, generator=generator, device=device).clamp_min_(torch.finfo(torch.float32).tiny)
-    return -torch.log(-torch.log(u))
+def _gumbel_noise(uniform: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise from uniform draws in [0, 1) (as torch.rand gives), in place.
+
+    -log(u) is never 0 (u < 1), so no token can win outright whatever its probability; u == 0
+    would give -inf noise and is clamped, so a row's only surviving token can still win.
+    """
+    uniform.clamp_min_(torch.finfo(uniform.dtype).tiny)
+    return uniform.log_().neg_().log_().neg_()
 
 
 class Sampler:
@@ -155,16 +160,16 @@ class Sampler:
         if sampled:
             rows = torch.tensor(sampled, device=device)
             scores = filtered_logits(logits[rows], [params[i] for i in sampled])  # [S, V]
-            noise = torch.empty_like(scores)
+            uniform = torch.empty_like(scores)
             shared = [j for j, i in enumerate(sampled) if generators[i] is None]
             if shared:
-                shared_noise = _gumbel((len(shared), vocab), self.generator, device)
-                noise[torch.tensor(shared, device=device)] = shared_noise
+                draw = torch.rand((len(shared), vocab), generator=self.generator, device=device)
+                uniform[torch.tensor(shared, device=device)] = draw
             for j, i in enumerate(sampled):
                 if generators[i] is not None:
-                    noise[j] = _gumbel((vocab,), generators[i], device)
-            # Masked tokens stay -inf (noise is finite), so they can never be picked.
-            tokens[rows] = (scores + noise).argmax(dim=-1)
+                    uniform[j].uniform_(generator=generators[i])  # this row's [V] draw, its stream only
+            # Masked tokens stay -inf (the noise is finite), so they can never be picked.
+            tokens[rows] = (scores + _gumbel_noise(uniform)).argmax(dim=-1)
 
         token_ids = tokens.tolist()
         result: list[dict[int, float] | None] = [None] * n

@@ -1,0 +1,172 @@
+"""Triton LoRA backend: the `TorchLoRABackend.apply` contract in two launches per group.
+
+Per call (one decoder layer's qkv, o, gate_up or down): one shrink launch writes
+H = X_a A_a^T for every segment and slice, one expand launch adds s_a H B_a^T into the base
+output. Nothing is launched when the step has no LoRA rows or no adapter of the step adapts
+any slice of the group; a slice that no adapter of the step adapts is compiled out.
+
+triton is imported when the backend is constructed, never by `import loraplex.lora`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.lora.layout import GROUP_SLICES
+from loraplex.lora.metadata import LoRABatchMetadata
+from loraplex.lora.triton_config import LoRATiling, block_r_for, pick_tiling, split_k
+from loraplex.lora.triton_table import LoRADeviceTable, target_bit
+from loraplex.lora.weights import LoRASlotTable
+
+
+@dataclass(frozen=True)
+class _StepInfo:
+    """What every call of one step shares, derived once from the metadata (host values only)."""
+
+    coverage: int  # OR of target bits over the step's slots
+    block_r: int
+    max_seg_rows: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class TritonLoRABackend:
+    """Segmented, rank-exact, slice-fused LoRA op on the GPU (or the Triton interpreter on CPU)."""
+
+    name = "triton"
+
+    def __init__(self, tiling: LoRATiling | None = None) -> None:
+        from loraplex.lora import triton_kernels  # lazy: needs triton
+
+        self._k = triton_kernels
+        self.tiling = tiling  # None: pick per step from the segment lengths
+        self.calls: Counter[str] = Counter()  # group name -> calls that launched the kernel pair
+        self._tables: dict[torch.device, LoRADeviceTable] = {}
+        self._sms: dict[torch.device, int] = {}
+        self._step_meta: LoRABatchMetadata | None = None
+        self._step_version = -1
+        self._step: _StepInfo | None = None
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def device_table(self, device: torch.device) -> LoRADeviceTable:
+        if device not in self._tables:
+            self._tables[device] = LoRADeviceTable(device)
+        return self._tables[device]
+
+    def prepare(self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device) -> None:
+        """Refresh the device tables and the per-step info outside the timed/captured region.
+
+        `apply` does this on its own; calling it first keeps host-to-device copies out of a
+        CUDA-graph capture.
+        """
+        dev = self.device_table(device)
+        dev.sync(table)
+        self._step_info(meta, dev)
+
+    def _step_info(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> _StepInfo:
+        if meta is self._step_meta and dev.version == self._step_version and self._step is not None:
+            return self._step
+        coverage, max_rank = 0, 0
+        for slot in meta.seg_slots_host:
+            if slot not in dev.slot_coverage:
+                raise ValueError(f"segment refers to slot {slot}, which holds no adapter")
+            coverage |= dev.slot_coverage[slot]
+            max_rank = max(max_rank, dev.slot_max_rank[slot])
+        offs = meta.seg_offsets_host
+        max_rows = max((offs[s + 1] - offs[s] for s in range(len(offs) - 1)), default=0)
+        self._step = _StepInfo(coverage, block_r_for(max_rank), max_rows)
+        self._step_meta, self._step_version = meta, dev.version
+        return self._step
+
+    def _num_sms(self, device: torch.device) -> int:
+        if device not in self._sms:
+            cuda = device.type == "cuda"
+            self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+        return self._sms[device]
+
+    def apply(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        meta: LoRABatchMetadata,
+        table: LoRASlotTable,
+        layer: int,
+        group: str,
+        slice_offsets: Sequence[int],
+    ) -> None:
+        # y: [T, d_out_total] base output, updated in place; x: [T, d_in]
+        if meta.num_lora_rows == 0 or not meta.targets_group(layer, group):
+            return
+        dev = self.device_table(x.device)
+        dev.sync(table)
+        step = self._step_info(meta, dev)
+        slices = GROUP_SLICES[group]
+        n_slices = len(slices)
+        slice_mask = 0
+        for i, t in enumerate(slices):
+            if step.coverage & target_bit(layer, t):
+                slice_mask |= 1 << i
+        if slice_mask == 0:
+            return
+        self._check(y, x, dev, layer, slices, slice_mask, slice_offsets)
+
+        tiling = self.tiling or pick_tiling(step.max_seg_rows)
+        num_rows, d_in = meta.num_lora_rows, x.shape[1]
+        n_segs = meta.num_segments
+        row_tiles = _cdiv(step.max_seg_rows, tiling.block_m)
+        split = split_k(tiling, d_in, n_segs * row_tiles, self._num_sms(x.device))
+        tabs = dev.group(layer, group)
+        cols = list(slice_offsets) + [slice_offsets[-1]] * (4 - len(slice_offsets))
+        widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_slices))
+        rank_aligned = dev.rank_aligned
+
+        # h: [n_split, n_slices, R, BLOCK_R] float32; every block the expand reads is written first
+        h_shape = (split.n_split, n_slices, num_rows, step.block_r)
+        h = torch.empty(h_shape, dtype=torch.float32, device=x.device)
+        k = self._k
+        k.lora_shrink_kernel[k.shrink_grid(n_segs, row_tiles, split.n_split)](
+            x, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_ptrs, tabs.ranks,
+            dev.n_slots, d_in, x.stride(0), num_rows, row_tiles,
+            N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=rank_aligned,
+            BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r, K_CHUNK=split.k_chunk,
+            num_warps=tiling.shrink_warps, num_stages=tiling.shrink_stages,
+        )  # fmt: skip
+        k.lora_expand_kernel[k.expand_grid(n_segs, row_tiles, _cdiv(widest, tiling.n_chunk), n_slices)](
+            y, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_ptrs, tabs.ranks, tabs.scales,
+            dev.n_slots, y.stride(0), num_rows, row_tiles, *cols,
+            N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=rank_aligned,
+            COLS_ALIGNED=all(c % 8 == 0 for c in cols),
+            BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_R=step.block_r,
+            N_SPLIT=split.n_split, N_CHUNK=tiling.n_chunk,
+            num_warps=tiling.expand_warps, num_stages=tiling.expand_stages,
+        )  # fmt: skip
+        self.calls[group] += 1
+
+    @staticmethod
+    def _check(
+        y: torch.Tensor,
+        x: torch.Tensor,
+        dev: LoRADeviceTable,
+        layer: int,
+        slices: tuple[str, ...],
+        slice_mask: int,
+        slice_offsets: Sequence[int],
+    ) -> None:
+        """Shape/dtype guards: the kernels trust these, and a mismatch would read out of bounds."""
+        assert len(slice_offsets) == len(slices) + 1, (slices, slice_offsets)
+        assert x.dtype == y.dtype == dev.dtype, (x.dtype, y.dtype, dev.dtype)
+        assert x.stride(1) == 1 and y.stride(1) == 1 and y.shape[0] == x.shape[0]
+        assert slice_offsets[-1] <= y.shape[1]
+        for i, t in enumerate(slices):
+            if slice_mask >> i & 1:
+                want = (x.shape[1], slice_offsets[i + 1] - slice_offsets[i])
+                assert dev.dims[(layer, t)] == want, (layer, t, dev.dims[(layer, t)], want)

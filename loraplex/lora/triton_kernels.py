@@ -1,0 +1,213 @@
+"""Triton kernels of the segmented LoRA op: shrink (H = X_a A_a^T) and expand (Y += s_a H B_a^T).
+
+Imported only by `ops_triton` (lazily), so `import loraplex.lora` works without triton.
+
+Weights are rank-exact: every (slice, slot) entry of the pointer tables points at that adapter's
+own A [r, d_in] and B [d_out, r] (row-major, 16-byte aligned; see `triton_table`), and the rank
+table says how many rows of A / columns of B exist. BLOCK_R is only the register tile: loads past
+an adapter's rank are masked off, so they move no bytes.
+
+Both kernels take the group's slices (q/k/v or gate/up) in one launch. SLICE_MASK (constexpr)
+drops slices that no adapter of the step targets at compile time, so they cost nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _slice_entry(a_tab, rank_tab, n_slots, slot, i: tl.constexpr, RANK_ALIGNED: tl.constexpr, dtype):
+    """(pointer to this slot's weight for slice i, its rank); rank 0 when the slot skips the slice."""
+    addr = tl.load(a_tab + i * n_slots + slot)
+    # The table only holds 16-byte aligned weights, so the hint lets loads vectorize.
+    addr = tl.multiple_of(addr, 16)
+    rank = tl.load(rank_tab + i * n_slots + slot)
+    if RANK_ALIGNED:
+        rank = tl.multiple_of(rank, 8)
+    return addr.to(tl.pointer_type(dtype)), rank
+
+
+@triton.jit
+def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+    # a: [r, d_in] row-major; the tile is [BLOCK_R, BLOCK_K], rows past the rank masked (no bytes)
+    at = tl.load(
+        a_ptr + offs_r[:, None] * d_in + offs_k[None, :],
+        mask=(offs_r[:, None] < rank) & k_mask[None, :],
+        other=0.0,
+    )
+    return tl.dot(xt, tl.trans(at), acc)
+
+
+@triton.jit
+def _shrink_store(h_ptr, acc, block, num_rows, offs_m, m_mask, offs_r, BLOCK_R: tl.constexpr):
+    # block = split * N_SLICES + slice: which [R, BLOCK_R] plane of h this partial goes to
+    base = h_ptr + (block * num_rows).to(tl.int64) * BLOCK_R
+    tl.store(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], acc, mask=m_mask[:, None])
+
+
+@triton.jit
+def lora_shrink_kernel(
+    x_ptr,  # x: [T, d_in]
+    h_ptr,  # h: [n_split, N_SLICES, R, BLOCK_R] float32 partial sums over K chunks
+    row_perm_ptr,  # [R] int64
+    seg_offsets_ptr,  # [S + 1] int64
+    seg_slots_ptr,  # [S] int64
+    a_tab,  # [N_SLICES, n_slots] int64 addresses of A
+    rank_tab,  # [N_SLICES, n_slots] int32
+    n_slots,
+    d_in,
+    stride_xm,
+    num_rows,  # R
+    row_tiles,  # row tiles per segment (the longest segment's)
+    N_SLICES: tl.constexpr,
+    SLICE_MASK: tl.constexpr,
+    RANK_ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    K_CHUNK: tl.constexpr,  # K columns per split, a multiple of BLOCK_K
+):
+    # grid: (S * row_tiles, n_split); one program = one row tile of one segment, one K chunk, all slices
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    seg = pid // row_tiles
+    seg_lo = tl.load(seg_offsets_ptr + seg)
+    seg_hi = tl.load(seg_offsets_ptr + seg + 1)
+    m0 = seg_lo + (pid % row_tiles) * BLOCK_M
+    if m0 >= seg_hi:  # shorter segments leave tail tiles empty (also: zero-length padding segments)
+        return
+    slot = tl.load(seg_slots_ptr + seg)
+    dtype = x_ptr.dtype.element_ty
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_hi
+    rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
+    offs_r = tl.arange(0, BLOCK_R)
+    x_rows = x_ptr + rows[:, None] * stride_xm
+
+    a0, r0 = _slice_entry(a_tab, rank_tab, n_slots, slot, 0, RANK_ALIGNED, dtype)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if N_SLICES > 1:
+        a1, r1 = _slice_entry(a_tab, rank_tab, n_slots, slot, 1, RANK_ALIGNED, dtype)
+        acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if N_SLICES > 2:
+        a2, r2 = _slice_entry(a_tab, rank_tab, n_slots, slot, 2, RANK_ALIGNED, dtype)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+
+    k_lo = split * K_CHUNK
+    k_hi = tl.minimum(k_lo + K_CHUNK, d_in)
+    # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).
+    for kk in range(0, K_CHUNK, BLOCK_K):
+        offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        # one X tile feeds every slice: X is read once per group, not once per slice
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if SLICE_MASK & 1:
+            acc0 = _shrink_acc(acc0, xt, a0, r0, d_in, offs_r, offs_k, k_mask)
+        if N_SLICES > 1 and SLICE_MASK & 2:
+            acc1 = _shrink_acc(acc1, xt, a1, r1, d_in, offs_r, offs_k, k_mask)
+        if N_SLICES > 2 and SLICE_MASK & 4:
+            acc2 = _shrink_acc(acc2, xt, a2, r2, d_in, offs_r, offs_k, k_mask)
+
+    # Every (split, slice) row block the expand kernel will read is written here, zeros included.
+    if SLICE_MASK & 1:
+        _shrink_store(h_ptr, acc0, split * N_SLICES, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+    if N_SLICES > 1 and SLICE_MASK & 2:
+        _shrink_store(h_ptr, acc1, split * N_SLICES + 1, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+    if N_SLICES > 2 and SLICE_MASK & 4:
+        _shrink_store(h_ptr, acc2, split * N_SLICES + 2, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+
+
+@triton.jit
+def lora_expand_kernel(
+    y_ptr,  # y: [T, d_out_total], updated in place
+    h_ptr,  # h: [n_split, N_SLICES, R, BLOCK_R] float32, from the shrink kernel
+    row_perm_ptr,  # [R] int64
+    seg_offsets_ptr,  # [S + 1] int64
+    seg_slots_ptr,  # [S] int64
+    b_tab,  # [N_SLICES, n_slots] int64 addresses of B
+    rank_tab,  # [N_SLICES, n_slots] int32
+    scale_tab,  # [N_SLICES, n_slots] float32
+    n_slots,
+    stride_ym,
+    num_rows,  # R
+    row_tiles,
+    col0,  # slice i occupies columns [col_i, col_{i+1})
+    col1,
+    col2,
+    col3,
+    N_SLICES: tl.constexpr,
+    SLICE_MASK: tl.constexpr,
+    RANK_ALIGNED: tl.constexpr,
+    COLS_ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    N_SPLIT: tl.constexpr,  # K chunks the shrink wrote partials for
+    N_CHUNK: tl.constexpr,  # output columns per program, a multiple of BLOCK_N
+):
+    # grid: (S * row_tiles, column chunks of the widest slice, N_SLICES)
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    i = tl.program_id(2)
+    if ((SLICE_MASK >> i) & 1) == 0:
+        return
+    seg = pid // row_tiles
+    seg_lo = tl.load(seg_offsets_ptr + seg)
+    seg_hi = tl.load(seg_offsets_ptr + seg + 1)
+    m0 = seg_lo + (pid % row_tiles) * BLOCK_M
+    if m0 >= seg_hi:
+        return
+    col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
+    col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, col3))
+    if COLS_ALIGNED:
+        col_lo = tl.multiple_of(col_lo, 8)
+        col_hi = tl.multiple_of(col_hi, 8)
+    n_lo = chunk * N_CHUNK
+    width = col_hi - col_lo
+    if n_lo >= width:  # narrower slices (k, v next to q) have fewer chunks
+        return
+    slot = tl.load(seg_slots_ptr + seg)
+    b_ptr, rank = _slice_entry(b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, y_ptr.dtype.element_ty)
+    if rank == 0:  # this segment's adapter does not adapt this slice
+        return
+    scale = tl.load(scale_tab + i * n_slots + slot)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_hi
+    rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+
+    # h = sum over K splits of the shrink partials; scale folded in before the low-precision dot
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    hmask = m_mask[:, None] & r_mask[None, :]
+    for s in range(N_SPLIT):
+        base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
+        h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=hmask, other=0.0)
+    h = (h * scale).to(y_ptr.dtype.element_ty)
+
+    y_rows = y_ptr + rows[:, None] * stride_ym + col_lo
+    for nn in range(0, N_CHUNK, BLOCK_N):
+        offs_n = n_lo + nn + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < width
+        # b: [d_out_i, r] row-major; tile [BLOCK_R, BLOCK_N] is one contiguous run of BLOCK_N * r values
+        b_mask = r_mask[:, None] & n_mask[None, :]
+        bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=b_mask, other=0.0)
+        delta = tl.dot(h, bt)  # [BLOCK_M, BLOCK_N] float32
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        yt = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
+        tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + delta).to(yt.dtype), mask=y_mask)
+
+
+def shrink_grid(num_segments: int, row_tiles: int, n_split: int) -> tuple[int, int]:
+    return (num_segments * row_tiles, n_split)
+
+
+def expand_grid(num_segments: int, row_tiles: int, n_chunks: int, n_slices: int) -> tuple[int, int, int]:
+    return (num_segments * row_tiles, n_chunks, n_slices)
+
+
+__all__ = ["lora_expand_kernel", "lora_shrink_kernel", "shrink_grid", "expand_grid", "triton"]

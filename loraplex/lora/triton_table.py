@@ -1,0 +1,115 @@
+"""Device-side copy of the slot table: per (layer, target), slot -> (A address, B address, rank, scale).
+
+The kernels read weights through these tables, so every adapter stays at its own rank: nothing
+is padded, and adapters of different ranks share one launch. The tables are rebuilt only when
+`LoRASlotTable.version` changes (an adapter loaded into or cleared from a slot), never per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.lora.layout import GROUP_SLICES, TARGETS
+from loraplex.lora.weights import LoRASlotTable
+
+_TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
+_ALIGN = 16  # bytes; the kernels promise the compiler 16-byte aligned weight rows
+
+
+def target_bit(layer: int, target: str) -> int:
+    """Bit of (layer, target) in a slot's coverage mask."""
+    return 1 << (layer * len(TARGETS) + _TARGET_INDEX[target])
+
+
+@dataclass(frozen=True)
+class GroupTables:
+    """Views of one (layer, group): [n_slices, n_slots] each, slices in GROUP_SLICES order."""
+
+    a_ptrs: torch.Tensor  # int64
+    b_ptrs: torch.Tensor  # int64
+    ranks: torch.Tensor  # int32
+    scales: torch.Tensor  # float32
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """Row-major and 16-byte aligned, copying only when the caller's tensor is not."""
+    if t.is_contiguous() and t.data_ptr() % _ALIGN == 0:
+        return t
+    return t.contiguous().clone()
+
+
+class LoRADeviceTable:
+    """Address/rank/scale tables of every (layer, target) and slot, on one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._source: LoRASlotTable | None = None
+        self.version = -1
+        self.dtype: torch.dtype | None = None
+        self.n_slots = 0
+        self.rank_aligned = True  # every rank a multiple of 8 (lets the kernels vectorize B loads)
+        self.slot_coverage: dict[int, int] = {}  # slot -> OR of target_bit over its pairs
+        self.slot_max_rank: dict[int, int] = {}
+        self.dims: dict[tuple[int, str], tuple[int, int]] = {}  # (layer, target) -> (d_in, d_out)
+        self._keep: list[torch.Tensor] = []  # holds every tensor whose address is in the tables
+        self._a = self._b = self._r = self._s = torch.empty(0)
+
+    def sync(self, table: LoRASlotTable) -> None:
+        """Rebuild when the slot table changed since the last call; otherwise free."""
+        if table is self._source and table.version == self.version:
+            return
+        self._build(table)
+        self._source = table
+        self.version = table.version
+
+    def _build(self, table: LoRASlotTable) -> None:
+        items = table.items()
+        n_rows = table.num_layers * len(TARGETS)
+        n_slots = max((slot for slot, _ in items), default=-1) + 1
+        # Absent entries point at a real (tiny) buffer with rank 0, so no load ever sees address 0.
+        dummy = torch.zeros(64, dtype=torch.float32, device=self.device)
+        a = torch.full((n_rows, max(n_slots, 1)), dummy.data_ptr(), dtype=torch.int64)
+        b = a.clone()
+        r = torch.zeros(a.shape, dtype=torch.int32)
+        s = torch.zeros(a.shape, dtype=torch.float32)
+        keep = [dummy]
+        dtypes: set[torch.dtype] = set()
+        coverage: dict[int, int] = {}
+        max_rank: dict[int, int] = {}
+        dims: dict[tuple[int, str], tuple[int, int]] = {}
+        for slot, weights in items:
+            mask = 0
+            for (layer, target), pair in weights.pairs.items():
+                if pair.a.device != self.device or pair.b.device != self.device:
+                    raise ValueError(f"slot {slot} ({layer}, {target}): weights not on {self.device}")
+                rank, d_in = pair.a.shape
+                d_out = int(pair.b.shape[0])
+                if tuple(pair.b.shape) != (d_out, rank):
+                    raise ValueError(f"slot {slot} ({layer}, {target}): B {tuple(pair.b.shape)}, rank {rank}")
+                if dims.setdefault((layer, target), (d_in, d_out)) != (d_in, d_out):
+                    raise ValueError(f"slot {slot} ({layer}, {target}): shape differs from other adapters")
+                pa, pb = _kernel_ready(pair.a), _kernel_ready(pair.b)
+                keep += [pa, pb]
+                row = layer * len(TARGETS) + _TARGET_INDEX[target]
+                a[row, slot], b[row, slot] = pa.data_ptr(), pb.data_ptr()
+                r[row, slot], s[row, slot] = rank, pair.scale
+                dtypes |= {pa.dtype, pb.dtype}
+                mask |= target_bit(layer, target)
+                max_rank[slot] = max(max_rank.get(slot, 0), rank)
+            coverage[slot] = mask
+        if len(dtypes) > 1:
+            raise ValueError(f"LoRA weights mix dtypes {sorted(map(str, dtypes))}; the kernels need one")
+        self.dtype = dtypes.pop() if dtypes else None
+        self.rank_aligned = bool((r % 8 == 0).all())
+        self.n_slots = a.shape[1]
+        self._a, self._b = a.to(self.device), b.to(self.device)
+        self._r, self._s = r.to(self.device), s.to(self.device)
+        self._keep = keep
+        self.slot_coverage, self.slot_max_rank, self.dims = coverage, max_rank, dims
+
+    def group(self, layer: int, group: str) -> GroupTables:
+        lo = layer * len(TARGETS) + _TARGET_INDEX[GROUP_SLICES[group][0]]
+        hi = lo + len(GROUP_SLICES[group])  # a group's slices are adjacent in TARGETS
+        return GroupTables(self._a[lo:hi], self._b[lo:hi], self._r[lo:hi], self._s[lo:hi])
