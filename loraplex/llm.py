@@ -39,7 +39,16 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
         )
-        self.engine = Engine(config, progress=progress)
+        self._attach(Engine(config, progress=progress))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = False) -> LLM:
+        llm = cls.__new__(cls)
+        llm._attach(Engine(config, progress=progress))
+        return llm
+
+    def _attach(self, engine: Engine) -> None:
+        self.engine = engine
         self._ids = itertools.count()
 
     @property

@@ -238,7 +238,9 @@ def _parse_config(raw: dict[str, Any], model_config: ModelConfig) -> _LoraSpec:
     _check_init(raw.get("init_lora_weights", True))
     bias = raw.get("bias", "none")
     if bias != "none":
-        raise AdapterImportError(f"bias={bias!r} is not supported (only 'none': trained base biases)")
+        raise AdapterImportError(
+            f"bias={bias!r} is not supported: it retrains base biases (only bias='none')"
+        )
     r = _positive_int(raw.get("r", 8), "r")
     alpha = _finite_number(raw.get("lora_alpha", 8), "lora_alpha")
     use_rslora = raw.get("use_rslora", False)
@@ -256,7 +258,7 @@ def _parse_config(raw: dict[str, Any], model_config: ModelConfig) -> _LoraSpec:
         )
     if layers_pattern and layers_to_transform is None:
         raise AdapterImportError("layers_pattern is set but layers_to_transform is not")
-    return _LoraSpec(
+    spec = _LoraSpec(
         r=r,
         alpha=alpha,
         use_rslora=use_rslora,
@@ -267,6 +269,8 @@ def _parse_config(raw: dict[str, Any], model_config: ModelConfig) -> _LoraSpec:
         rank_pattern=_parse_pattern(raw.get("rank_pattern"), "rank_pattern", _positive_int),
         alpha_pattern=_parse_pattern(raw.get("alpha_pattern"), "alpha_pattern", _finite_number),
     )
+    _check_regexes(spec)
+    return spec
 
 
 def _is_unset(value: Any) -> bool:
@@ -321,7 +325,6 @@ def _optional_names(value: Any, what: str) -> list[str] | str | None:
     if value is None:
         return None
     if isinstance(value, str):
-        _compile(value, what)
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return list(value)
@@ -360,14 +363,27 @@ def _parse_pattern(value: Any, what: str, convert: Any) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise AdapterImportError(f"{what} must be a JSON object, got {value!r}")
-    for key in value:
-        _compile(key, what)
     return {key: convert(v, f"{what}[{key!r}]") for key, v in value.items()}
 
 
-def _compile(pattern: str, what: str) -> None:
+def _check_regexes(spec: _LoraSpec) -> None:
+    """Compile every user pattern in the exact form matching embeds it, so matching cannot fail later."""
+    for what, value in (("target_modules", spec.target_modules), ("exclude_modules", spec.exclude_modules)):
+        if isinstance(value, str):
+            _compile(value, what, value)
+    layers_patterns = (
+        [spec.layers_pattern] if isinstance(spec.layers_pattern, str) else spec.layers_pattern or []
+    )
+    for pattern in layers_patterns:
+        _compile(_layers_pattern_regex(pattern), "layers_pattern", pattern)
+    for what, patterns in (("rank_pattern", spec.rank_pattern), ("alpha_pattern", spec.alpha_pattern)):
+        for key in patterns:
+            _compile(_pattern_key_regex(key), what, key)
+
+
+def _compile(regex: str, what: str, pattern: str) -> None:
     try:
-        re.compile(pattern)
+        re.compile(regex)
     except re.error as err:
         raise AdapterImportError(f"{what} pattern {pattern!r} is not a valid regex: {err}") from None
 
@@ -395,7 +411,7 @@ def _layer_index(key: str, layers_pattern: list[str] | str | None) -> int | None
     else:
         match = None
         for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            match = re.match(_layers_pattern_regex(pattern), key)
             if match is not None:
                 break
     return int(match.group("idx")) if match else None
@@ -420,10 +436,18 @@ def _is_targeted(spec: _LoraSpec, key: str) -> bool:
     return index == layers if isinstance(layers, int) else index in layers
 
 
+def _layers_pattern_regex(pattern: str) -> str:
+    return rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\."
+
+
+def _pattern_key_regex(pattern: str) -> str:
+    return rf"(.*\.)?({pattern})$"
+
+
 def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
     # The first pattern that matches a dot-aligned suffix of the key wins (PEFT's get_pattern_key).
     for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
+        if re.match(_pattern_key_regex(pattern), key):
             return value
     return default
 
@@ -626,7 +650,6 @@ def _manifest(
         "layout_version": LAYOUT_VERSION,
         "peft_type": "LORA",
         "base_architecture": model_config.architecture,
-        "num_hidden_layers": model_config.num_hidden_layers,
         "use_rslora": spec.use_rslora,
         "targets": [t for t in TARGETS if any(m.target == t for m in modules)],
         "source_dtypes": dtypes,

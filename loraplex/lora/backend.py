@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
+from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.ops_torch import TorchLoRABackend
+from loraplex.lora.weights import LoRASlotTable
 
 
-class LoRABackend(Protocol):
+class LoRAOpBackend(Protocol):
     name: str
 
-    def apply(self, y, x, meta, table, layer, group, slice_offsets) -> None: ...  # noqa: ANN001
+    @property
+    def total_calls(self) -> int: ...
+
+    def apply(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        meta: LoRABatchMetadata,
+        table: LoRASlotTable,
+        layer: int,
+        group: str,
+        slice_offsets: Sequence[int],
+    ) -> None: ...
 
 
-def make_lora_backend(device: torch.device | str) -> LoRABackend:
+def make_lora_backend(device: torch.device | str) -> LoRAOpBackend:
     """Triton on CUDA (imported only here, so CPU-only installs never need it); torch otherwise."""
     if torch.device(device).type == "cuda":
         from loraplex.lora.ops_triton import TritonLoRABackend

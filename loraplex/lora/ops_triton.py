@@ -128,22 +128,23 @@ class TritonLoRABackend:
         cols = list(slice_offsets) + [slice_offsets[-1]] * (4 - len(slice_offsets))
         widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_slices))
         rank_aligned = dev.rank_aligned
+        w_align = 16 // dev.base.element_size()
 
         # h: [n_split, n_slices, R, BLOCK_R] float32; every block the expand reads is written first
         h_shape = (split.n_split, n_slices, num_rows, step.block_r)
         h = torch.empty(h_shape, dtype=torch.float32, device=x.device)
         k = self._k
         k.lora_shrink_kernel[k.shrink_grid(n_segs, row_tiles, split.n_split)](
-            x, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_ptrs, tabs.ranks,
+            x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             dev.n_slots, d_in, x.stride(0), num_rows, row_tiles,
-            N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=rank_aligned,
+            N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=rank_aligned, W_ALIGN=w_align,
             BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r, K_CHUNK=split.k_chunk,
             num_warps=tiling.shrink_warps, num_stages=tiling.shrink_stages,
         )  # fmt: skip
         k.lora_expand_kernel[k.expand_grid(n_segs, row_tiles, _cdiv(widest, tiling.n_chunk), n_slices)](
-            y, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_ptrs, tabs.ranks, tabs.scales,
-            dev.n_slots, y.stride(0), num_rows, row_tiles, *cols,
-            N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=rank_aligned,
+            y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots,
+            tabs.b_offs, tabs.ranks, tabs.scales, dev.n_slots, y.stride(0), num_rows, row_tiles, *cols,
+            N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=rank_aligned, W_ALIGN=w_align,
             COLS_ALIGNED=all(c % 8 == 0 for c in cols),
             BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_R=step.block_r,
             N_SPLIT=split.n_split, N_CHUNK=tiling.n_chunk,

@@ -18,15 +18,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _slice_entry(a_tab, rank_tab, n_slots, slot, i: tl.constexpr, RANK_ALIGNED: tl.constexpr, dtype):
-    """(pointer to this slot's weight for slice i, its rank); rank 0 when the slot skips the slice."""
-    addr = tl.load(a_tab + i * n_slots + slot)
-    # The table only holds 16-byte aligned weights, so the hint lets loads vectorize.
-    addr = tl.multiple_of(addr, 16)
+def _slice_entry(
+    w_base, off_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr
+):
+    """(pointer to this slot's weight for slice i, its rank); rank 0 when the slot skips the slice.
+
+    The table holds element offsets from w_base rather than raw addresses: a pointer built by
+    adding a 16-byte multiple to an aligned kernel argument keeps its alignment for the compiler,
+    so weight loads vectorize (an integer cast to a pointer would not).
+    """
+    off = tl.multiple_of(tl.load(off_tab + i * n_slots + slot), W_ALIGN)
     rank = tl.load(rank_tab + i * n_slots + slot)
     if RANK_ALIGNED:
         rank = tl.multiple_of(rank, 8)
-    return addr.to(tl.pointer_type(dtype)), rank
+    return w_base + off, rank
 
 
 @triton.jit
@@ -50,11 +55,12 @@ def _shrink_store(h_ptr, acc, block, num_rows, offs_m, m_mask, offs_r, BLOCK_R: 
 @triton.jit
 def lora_shrink_kernel(
     x_ptr,  # x: [T, d_in]
+    w_base,  # the weight table's base buffer; a_tab holds element offsets from it
     h_ptr,  # h: [n_split, N_SLICES, R, BLOCK_R] float32 partial sums over K chunks
     row_perm_ptr,  # [R] int64
     seg_offsets_ptr,  # [S + 1] int64
     seg_slots_ptr,  # [S] int64
-    a_tab,  # [N_SLICES, n_slots] int64 addresses of A
+    a_tab,  # [N_SLICES, n_slots] int64 element offsets of A from w_base
     rank_tab,  # [N_SLICES, n_slots] int32
     n_slots,
     d_in,
@@ -64,6 +70,7 @@ def lora_shrink_kernel(
     N_SLICES: tl.constexpr,
     SLICE_MASK: tl.constexpr,
     RANK_ALIGNED: tl.constexpr,
+    W_ALIGN: tl.constexpr,  # elements per 16 bytes
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -79,29 +86,26 @@ def lora_shrink_kernel(
     if m0 >= seg_hi:  # shorter segments leave tail tiles empty (also: zero-length padding segments)
         return
     slot = tl.load(seg_slots_ptr + seg)
-    dtype = x_ptr.dtype.element_ty
-
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = tl.arange(0, BLOCK_R)
     x_rows = x_ptr + rows[:, None] * stride_xm
 
-    a0, r0 = _slice_entry(a_tab, rank_tab, n_slots, slot, 0, RANK_ALIGNED, dtype)
+    a0, r0 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 0, RANK_ALIGNED, W_ALIGN)
     acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if N_SLICES > 1:
-        a1, r1 = _slice_entry(a_tab, rank_tab, n_slots, slot, 1, RANK_ALIGNED, dtype)
+        a1, r1 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 1, RANK_ALIGNED, W_ALIGN)
         acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if N_SLICES > 2:
-        a2, r2 = _slice_entry(a_tab, rank_tab, n_slots, slot, 2, RANK_ALIGNED, dtype)
+        a2, r2 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 2, RANK_ALIGNED, W_ALIGN)
         acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
 
     k_lo = split * K_CHUNK
-    k_hi = tl.minimum(k_lo + K_CHUNK, d_in)
     # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).
     for kk in range(0, K_CHUNK, BLOCK_K):
         offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_hi
+        k_mask = offs_k < d_in  # chunks never overlap (the loop stays inside K_CHUNK)
         # one X tile feeds every slice: X is read once per group, not once per slice
         xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if SLICE_MASK & 1:
@@ -123,11 +127,12 @@ def lora_shrink_kernel(
 @triton.jit
 def lora_expand_kernel(
     y_ptr,  # y: [T, d_out_total], updated in place
+    w_base,
     h_ptr,  # h: [n_split, N_SLICES, R, BLOCK_R] float32, from the shrink kernel
     row_perm_ptr,  # [R] int64
     seg_offsets_ptr,  # [S + 1] int64
     seg_slots_ptr,  # [S] int64
-    b_tab,  # [N_SLICES, n_slots] int64 addresses of B
+    b_tab,  # [N_SLICES, n_slots] int64 element offsets of B from w_base
     rank_tab,  # [N_SLICES, n_slots] int32
     scale_tab,  # [N_SLICES, n_slots] float32
     n_slots,
@@ -141,6 +146,7 @@ def lora_expand_kernel(
     N_SLICES: tl.constexpr,
     SLICE_MASK: tl.constexpr,
     RANK_ALIGNED: tl.constexpr,
+    W_ALIGN: tl.constexpr,
     COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -170,7 +176,7 @@ def lora_expand_kernel(
     if n_lo >= width:  # narrower slices (k, v next to q) have fewer chunks
         return
     slot = tl.load(seg_slots_ptr + seg)
-    b_ptr, rank = _slice_entry(b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, y_ptr.dtype.element_ty)
+    b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
     if rank == 0:  # this segment's adapter does not adapt this slice
         return
     scale = tl.load(scale_tab + i * n_slots + slot)
@@ -193,12 +199,13 @@ def lora_expand_kernel(
     for nn in range(0, N_CHUNK, BLOCK_N):
         offs_n = n_lo + nn + tl.arange(0, BLOCK_N)
         n_mask = offs_n < width
+        # Y first: its load does not wait for the dot, so both loads are in flight together.
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        yt = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
         # b: [d_out_i, r] row-major; tile [BLOCK_R, BLOCK_N] is one contiguous run of BLOCK_N * r values
         b_mask = r_mask[:, None] & n_mask[None, :]
         bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=b_mask, other=0.0)
         delta = tl.dot(h, bt)  # [BLOCK_M, BLOCK_N] float32
-        y_mask = m_mask[:, None] & n_mask[None, :]
-        yt = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
         tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + delta).to(yt.dtype), mask=y_mask)
 
 

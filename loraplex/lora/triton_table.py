@@ -1,6 +1,8 @@
-"""Device-side copy of the slot table: per (layer, target), slot -> (A address, B address, rank, scale).
+"""Device-side copy of the slot table: per (layer, target), slot -> (A, B, rank, scale).
 
-The kernels read weights through these tables, so every adapter stays at its own rank: nothing
+A and B are element offsets from one base buffer (`LoRADeviceTable.base`), so a kernel turns
+them into pointers that the compiler knows are 16-byte aligned. The kernels read weights
+through these tables, so every adapter stays at its own rank: nothing
 is padded, and adapters of different ranks share one launch. The tables are rebuilt only when
 `LoRASlotTable.version` changes (an adapter loaded into or cleared from a slot), never per step.
 """
@@ -27,8 +29,8 @@ def target_bit(layer: int, target: str) -> int:
 class GroupTables:
     """Views of one (layer, group): [n_slices, n_slots] each, slices in GROUP_SLICES order."""
 
-    a_ptrs: torch.Tensor  # int64
-    b_ptrs: torch.Tensor  # int64
+    a_offs: torch.Tensor  # int64 element offsets from LoRADeviceTable.base
+    b_offs: torch.Tensor  # int64
     ranks: torch.Tensor  # int32
     scales: torch.Tensor  # float32
 
@@ -48,6 +50,7 @@ class LoRADeviceTable:
         self._source: LoRASlotTable | None = None
         self.version = -1
         self.dtype: torch.dtype | None = None
+        self.base = torch.empty(0)  # weights' dtype; every table entry is an offset from here
         self.n_slots = 0
         self.rank_aligned = True  # every rank a multiple of 8 (lets the kernels vectorize B loads)
         self.slot_coverage: dict[int, int] = {}  # slot -> OR of target_bit over its pairs
@@ -68,14 +71,19 @@ class LoRADeviceTable:
         items = table.items()
         n_rows = table.num_layers * len(TARGETS)
         n_slots = max((slot for slot, _ in items), default=-1) + 1
-        # Absent entries point at a real (tiny) buffer with rank 0, so no load ever sees address 0.
-        dummy = torch.zeros(64, dtype=torch.float32, device=self.device)
-        a = torch.full((n_rows, max(n_slots, 1)), dummy.data_ptr(), dtype=torch.int64)
+        dtypes = {t.dtype for _, w in items for p in w.pairs.values() for t in (p.a, p.b)}
+        if len(dtypes) > 1:
+            raise ValueError(f"LoRA weights mix dtypes {sorted(map(str, dtypes))}; the kernels need one")
+        dtype = dtypes.pop() if dtypes else torch.float32
+        # Absent entries (offset 0, rank 0) point at the base itself, a real buffer: no load is
+        # ever issued for them (rank 0 masks everything), but no pointer is ever null either.
+        base = torch.zeros(64, dtype=dtype, device=self.device)
+        elem = base.element_size()
+        a = torch.zeros((n_rows, max(n_slots, 1)), dtype=torch.int64)
         b = a.clone()
         r = torch.zeros(a.shape, dtype=torch.int32)
         s = torch.zeros(a.shape, dtype=torch.float32)
-        keep = [dummy]
-        dtypes: set[torch.dtype] = set()
+        keep = [base]
         coverage: dict[int, int] = {}
         max_rank: dict[int, int] = {}
         dims: dict[tuple[int, str], tuple[int, int]] = {}
@@ -93,15 +101,13 @@ class LoRADeviceTable:
                 pa, pb = _kernel_ready(pair.a), _kernel_ready(pair.b)
                 keep += [pa, pb]
                 row = layer * len(TARGETS) + _TARGET_INDEX[target]
-                a[row, slot], b[row, slot] = pa.data_ptr(), pb.data_ptr()
+                a[row, slot] = (pa.data_ptr() - base.data_ptr()) // elem
+                b[row, slot] = (pb.data_ptr() - base.data_ptr()) // elem
                 r[row, slot], s[row, slot] = rank, pair.scale
-                dtypes |= {pa.dtype, pb.dtype}
                 mask |= target_bit(layer, target)
                 max_rank[slot] = max(max_rank.get(slot, 0), rank)
             coverage[slot] = mask
-        if len(dtypes) > 1:
-            raise ValueError(f"LoRA weights mix dtypes {sorted(map(str, dtypes))}; the kernels need one")
-        self.dtype = dtypes.pop() if dtypes else None
+        self.dtype, self.base = (dtype if items else None), base
         self.rank_aligned = bool((r % 8 == 0).all())
         self.n_slots = a.shape[1]
         self._a, self._b = a.to(self.device), b.to(self.device)

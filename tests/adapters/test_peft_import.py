@@ -331,7 +331,15 @@ CONFIG_REFUSALS = {
     "regex_matches_nothing": ({"target_modules": r".*\.c_attn"}, "match no module"),
     "empty_targets": ({"target_modules": []}, "match no module"),
     "all_excluded": ({"exclude_modules": ["q_proj", "v_proj"]}, "match no module"),
-    "bad_regex": ({"target_modules": "(q_proj"}, "not a valid regex"),
+    "bad_regex": ({"target_modules": "(q_proj"}, "target_modules pattern '\\(q_proj' is not a valid regex"),
+    "bad_rank_pattern_regex": (
+        {"rank_pattern": {"(?i)q_proj": 4}},
+        "rank_pattern pattern .* is not a valid regex",
+    ),
+    "bad_layers_pattern": (
+        {"layers_to_transform": [0], "layers_pattern": "(?P<idx>layers)"},
+        "layers_pattern pattern .* is not a valid regex",
+    ),
     "r_zero": ({"r": 0}, "r must be a positive integer"),
     "r_string": ({"r": "4"}, "r must be a positive integer"),
     "alpha_string": ({"lora_alpha": "8"}, "lora_alpha must be a finite number"),

@@ -89,27 +89,18 @@ def reference(
     group: str,
     offsets: Sequence[int],
 ) -> torch.Tensor:
-    """The torch reference op in float32 on the CPU (weights upcast), as y_ref."""
+    """The torch reference op in float32 (inputs and weights upcast) on x's device, as y_ref."""
     pairs = [
-        [None if p is None else LoRAPair(p.a.float().cpu(), p.b.float().cpu(), p.scale) for p in seg]
+        [None if p is None else LoRAPair(p.a.float(), p.b.float(), p.scale) for p in seg]
         for seg in segment_pairs(meta, table, layer, group)
     ]
-    cpu_meta = LoRABatchMetadata(
-        meta.num_rows,
-        meta.row_perm.cpu(),
-        meta.seg_offsets.cpu(),
-        meta.seg_slots.cpu(),
-        meta.seg_offsets_host,
-        meta.seg_slots_host,
-        meta.active_groups,
-    )
-    y = y0.float().cpu().clone()
-    h = lora_shrink(x.float().cpu(), cpu_meta, pairs)
-    lora_expand(y, h, cpu_meta, pairs, offsets)
+    y = y0.float().clone()
+    h = lora_shrink(x.float(), meta, pairs)
+    lora_expand(y, h, meta, pairs, offsets)
     return y
 
 
 def row_errors(y: torch.Tensor, y_ref: torch.Tensor) -> torch.Tensor:
     """Per row: max|y - y_ref| / max|y_ref|."""
-    diff = (y.float().cpu() - y_ref).abs().amax(dim=1)
+    diff = (y.float() - y_ref).abs().amax(dim=1)
     return diff / y_ref.abs().amax(dim=1).clamp_min(1e-12)

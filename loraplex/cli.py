@@ -1,0 +1,116 @@
+"""`loraplex` command line: generate from the terminal, build the tiny smoke-test model, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from loraplex.config_cli import add_engine_args, engine_config_from_args
+
+DEFAULT_TINY_DIR = Path.home() / ".cache" / "loraplex" / "tiny-llama"
+
+
+def _parse_adapter(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--adapter takes NAME=DIR, got {value!r}")
+    return name, path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters on one base model.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from a prompt (or a file of prompts) in the terminal")
+    gen.add_argument("--model", help=f"Hugging Face model directory (default: the tiny model in {DEFAULT_TINY_DIR})")
+    gen.add_argument("--adapter", action="append", type=_parse_adapter, default=[], metavar="NAME=DIR",
+                     help="register a PEFT adapter directory under NAME (repeatable)")
+    gen.add_argument("--use", metavar="ADAPTER", help="adapter for the prompts: NAME or NAME@REVISION (default: "
+                     "the one --adapter if exactly one is given, else the base model)")
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    add_engine_args(gen)
+
+    tiny = sub.add_parser("build-tiny-model", help="write a tiny random Llama + character tokenizer")
+    tiny.add_argument("path", type=Path, nargs="?", default=DEFAULT_TINY_DIR)
+
+    try:
+        from loraplex.bench.cli import register as register_bench
+    except ImportError:  # benchmarks are optional parts of the tree
+        register_bench = None
+    if register_bench is not None:
+        register_bench(sub)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from loraplex.llm import LLM
+    from loraplex.types import SamplingParams
+
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = str(_ensure_tiny_model())
+    if args.prompts_file is not None:
+        prompts = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    else:
+        prompts = [args.prompt if args.prompt is not None else "Hello, world"]
+    print(f"loading {model_dir} ...", file=sys.stderr)
+    llm = LLM.from_config(engine_config_from_args(model_dir, args), progress=True)
+    for name, path in args.adapter:
+        ref = llm.register_adapter(name, path)
+        print(f"registered adapter {ref}", file=sys.stderr)
+    use = args.use or (args.adapter[0][0] if len(args.adapter) == 1 else None)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sampling_seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+    for prompt, out in zip(prompts, llm.generate(prompts, params, adapters=use), strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "adapter": str(out.adapter) if out.adapter else None,
+                              "finish_reason": out.finish_reason}))
+        else:
+            print(f"[{out.adapter or 'base'}] {prompt!r} -> {out.text!r} ({out.finish_reason})")
+    return 0
+
+
+def _ensure_tiny_model() -> Path:
+    from loraplex.demo.tiny_model import build_tiny_model
+
+    if not (DEFAULT_TINY_DIR / "config.json").is_file():
+        print(f"building the tiny model in {DEFAULT_TINY_DIR} ...", file=sys.stderr)
+        build_tiny_model(DEFAULT_TINY_DIR)
+    return DEFAULT_TINY_DIR
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "build-tiny-model":
+            from loraplex.demo.tiny_model import build_tiny_model
+
+            print(build_tiny_model(args.path))
+            return 0
+        if hasattr(args, "run"):
+            return int(args.run(args) or 0)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

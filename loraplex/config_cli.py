@@ -1,0 +1,44 @@
+"""Command-line flags derived from the frozen config dataclasses, so the two never drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+
+# Engine sub-configs exposed as flags: EngineConfig field -> dataclass.
+_SECTIONS: dict[str, type] = {"cache": CacheConfig, "lora": LoRAConfig, "scheduler": SchedulerConfig}
+
+
+def _flag(section: str, name: str) -> str:
+    # Unambiguous without a prefix except `lora.max_rank`, which users know as max-lora-rank.
+    return "--max-lora-rank" if (section, name) == ("lora", "max_rank") else "--" + name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the shared sampling generator")
+    for section, cls in _SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            parser.add_argument(
+                _flag(section, f.name),
+                dest=f"{section}__{f.name}",
+                metavar=f.name.upper(),
+                type=int if "int" in str(hints[f.name]) else str,
+                default=default,
+                help=f"{section} setting (default: {default if default is not None else 'derived'})",
+            )
+
+
+def engine_config_from_args(model_dir: str, args: argparse.Namespace) -> EngineConfig:
+    sections: dict[str, Any] = {}
+    for section, cls in _SECTIONS.items():
+        values = {f.name: getattr(args, f"{section}__{f.name}") for f in dataclasses.fields(cls)}
+        sections[section] = cls(**values)
+    return EngineConfig(model_dir=model_dir, dtype=args.dtype, device=args.device, seed=args.seed, **sections)
