@@ -20,15 +20,29 @@ def _parse_adapter(value: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters on one base model.")
+    parser = argparse.ArgumentParser(
+        prog="loraplex", description="Serve many LoRA adapters on one base model."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate from a prompt (or a file of prompts) in the terminal")
-    gen.add_argument("--model", help=f"Hugging Face model directory (default: the tiny model in {DEFAULT_TINY_DIR})")
-    gen.add_argument("--adapter", action="append", type=_parse_adapter, default=[], metavar="NAME=DIR",
-                     help="register a PEFT adapter directory under NAME (repeatable)")
-    gen.add_argument("--use", metavar="ADAPTER", help="adapter for the prompts: NAME or NAME@REVISION (default: "
-                     "the one --adapter if exactly one is given, else the base model)")
+    gen.add_argument(
+        "--model", help=f"Hugging Face model directory (default: the tiny model in {DEFAULT_TINY_DIR})"
+    )
+    gen.add_argument(
+        "--adapter",
+        action="append",
+        type=_parse_adapter,
+        default=[],
+        metavar="NAME=DIR",
+        help="register a PEFT adapter directory under NAME (repeatable)",
+    )
+    gen.add_argument(
+        "--use",
+        metavar="ADAPTER",
+        help="adapter for the prompts: NAME or NAME@REVISION (default: "
+        "the one --adapter if exactly one is given, else the base model)",
+    )
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
@@ -72,14 +86,27 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"registered adapter {ref}", file=sys.stderr)
     use = args.use or (args.adapter[0][0] if len(args.adapter) == 1 else None)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.sampling_seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
     )
     for prompt, out in zip(prompts, llm.generate(prompts, params, adapters=use), strict=True):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "adapter": str(out.adapter) if out.adapter else None,
-                              "finish_reason": out.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "adapter": str(out.adapter) if out.adapter else None,
+                        "finish_reason": out.finish_reason,
+                    }
+                )
+            )
         else:
             print(f"[{out.adapter or 'base'}] {prompt!r} -> {out.text!r} ({out.finish_reason})")
     return 0

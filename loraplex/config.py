@@ -60,7 +60,9 @@ class RopeConfig:
             raise ValueError("per-layer-type RoPE parameters are not supported")
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported RoPE scaling type {rope_type!r} (supported: default, linear, llama3)")
+            raise ValueError(
+                f"unsupported RoPE scaling type {rope_type!r} (supported: default, linear, llama3)"
+            )
         theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
         original = params.get(
             "original_max_position_embeddings",

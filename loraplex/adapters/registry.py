@@ -136,5 +136,6 @@ class AdapterRegistry:
 def check_adapter_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(
-            f"invalid adapter name {name!r}: use letters, digits, '.', '_' and '-', starting with a letter or digit"
+            f"invalid adapter name {name!r}: use letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit"
         )

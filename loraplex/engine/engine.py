@@ -57,7 +57,13 @@ class Engine:
         )
         self.pool = BlockPool(num_blocks)
         self.kv = PagedKVCache(
-            mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim, dtype, self.device
+            mc.num_hidden_layers,
+            num_blocks,
+            block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            dtype,
+            self.device,
         )
         self.lora_table = LoRASlotTable(mc.num_hidden_layers)
         self.lora_backend = make_lora_backend(self.device)

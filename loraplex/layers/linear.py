@@ -65,7 +65,9 @@ class _LoRALinear(nn.Module):
         self.group = group
         self.slice_offsets = tuple(int(x) for x in torch.tensor([0, *slice_sizes]).cumsum(0).tolist())
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
         # x: [T, d_in] -> y: [T, d_out]

@@ -46,6 +46,9 @@ class TritonLoRABackend:
 
         self._k = triton_kernels
         self.tiling = tiling  # None: pick per step from the segment lengths
+        # Tests set this: the scratch H is filled with NaN first (one extra launch), so a block the
+        # shrink kernel failed to write poisons the output instead of passing by luck.
+        self.poison_scratch = False
         self.calls: Counter[str] = Counter()  # group name -> calls that launched the kernel pair
         self._tables: dict[torch.device, LoRADeviceTable] = {}
         self._sms: dict[torch.device, int] = {}
@@ -133,6 +136,8 @@ class TritonLoRABackend:
         # h: [n_split, n_slices, R, BLOCK_R] float32; every block the expand reads is written first
         h_shape = (split.n_split, n_slices, num_rows, step.block_r)
         h = torch.empty(h_shape, dtype=torch.float32, device=x.device)
+        if self.poison_scratch:
+            h.fill_(float("nan"))
         k = self._k
         k.lora_shrink_kernel[k.shrink_grid(n_segs, row_tiles, split.n_split)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,

@@ -37,7 +37,13 @@ class Attention(nn.Module):
             dtype=dtype,
         )
         self.o_proj = RowParallelLinear(
-            cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, layer=layer, group="o", slice_sizes=(cfg.hidden_size,), dtype=dtype
+            cfg.q_size,
+            cfg.hidden_size,
+            bias=cfg.o_proj_bias,
+            layer=layer,
+            group="o",
+            slice_sizes=(cfg.hidden_size,),
+            dtype=dtype,
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -70,10 +76,22 @@ class MLP(nn.Module):
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
-            cfg.hidden_size, 2 * i, bias=cfg.mlp_bias, layer=layer, group="gate_up", slice_sizes=(i, i), dtype=dtype
+            cfg.hidden_size,
+            2 * i,
+            bias=cfg.mlp_bias,
+            layer=layer,
+            group="gate_up",
+            slice_sizes=(i, i),
+            dtype=dtype,
         )
         self.down_proj = RowParallelLinear(
-            i, cfg.hidden_size, bias=cfg.mlp_bias, layer=layer, group="down", slice_sizes=(cfg.hidden_size,), dtype=dtype
+            i,
+            cfg.hidden_size,
+            bias=cfg.mlp_bias,
+            layer=layer,
+            group="down",
+            slice_sizes=(cfg.hidden_size,),
+            dtype=dtype,
         )
         self.intermediate = i
 
@@ -115,8 +133,10 @@ class LlamaFamilyModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
 
     def forward(

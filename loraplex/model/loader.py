@@ -73,9 +73,7 @@ def load_model(
         _load_one(model, params, cfg, key, tensor.to(dtype), loaded)
     expected = {n for n in params if n != "lm_head"} | ({"lm_head"} if model.lm_head is not None else set())
     fused_sources = {f"{dst}.{suffix}" for dst, _ in _FUSED.values() for suffix in ("weight", "bias")}
-    missing = sorted(
-        n for n in expected if n not in loaded and not any(n.endswith(s) for s in fused_sources)
-    )
+    missing = sorted(n for n in expected if n not in loaded and not any(n.endswith(s) for s in fused_sources))
     missing += _missing_fused(model, loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors: {', '.join(missing[:8])}")
@@ -107,7 +105,9 @@ def _load_one(
         return
     layer, rest = int(match.group(1)), match.group(2)
     if layer >= cfg.num_hidden_layers:
-        raise ValueError(f"checkpoint tensor {key!r} is for layer {layer}; the model has {cfg.num_hidden_layers}")
+        raise ValueError(
+            f"checkpoint tensor {key!r} is for layer {layer}; the model has {cfg.num_hidden_layers}"
+        )
     module_name, _, suffix = rest.rpartition(".")
     if module_name in _FUSED:
         fused_name, index = _FUSED[module_name]
@@ -137,5 +137,7 @@ def _missing_fused(model: LlamaFamilyModel, loaded: set[str]) -> list[str]:
 
 def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, key: str) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
     param.data.copy_(tensor)

@@ -24,9 +24,19 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     model_dir = save_hf_model(hf, root / "base")
     good = make_peft_adapter(hf, root / "good", r=8, target_modules=["q_proj", "v_proj"], seed=1)
     other = make_peft_adapter(hf, root / "other", r=8, target_modules=["q_proj", "v_proj"], seed=2)
-    late = make_peft_adapter(hf, root / "late", r=4, target_modules=["down_proj"], seed=3, layers_to_transform=[1])
+    late = make_peft_adapter(
+        hf, root / "late", r=4, target_modules=["down_proj"], seed=3, layers_to_transform=[1]
+    )
     big = make_peft_adapter(hf, root / "big", r=32, target_modules=["o_proj"], seed=4)
-    return {"hf": hf, "root": root, "model_dir": model_dir, "good": good, "other": other, "late": late, "big": big}
+    return {
+        "hf": hf,
+        "root": root,
+        "model_dir": model_dir,
+        "good": good,
+        "other": other,
+        "late": late,
+        "big": big,
+    }
 
 
 PROMPT = [5, 17, 33, 8, 41, 60, 2, 19, 77]

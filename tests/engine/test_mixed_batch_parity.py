@@ -20,7 +20,11 @@ ATOL = 1e-4
 ADAPTERS = {
     # name: (rank, targets, extra LoraConfig kwargs)
     "r8": (8, ["q_proj", "v_proj"], {}),
-    "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], {"use_rslora": True}),
+    "r16": (
+        16,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        {"use_rslora": True},
+    ),
     "r64": (64, ["gate_proj", "down_proj", "k_proj"], {"rank_pattern": {"down_proj": 32}}),
 }
 
@@ -71,7 +75,9 @@ def test_each_adapter_alone_matches_peft(setup: dict) -> None:
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 97, (23,), generator=g).tolist()
     llm = LLM(setup["model_dir"], dtype="float32")
-    params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=TOP_N, prompt_logprobs=TOP_N, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=STEPS, temperature=0.0, logprobs=TOP_N, prompt_logprobs=TOP_N, ignore_eos=True
+    )
     for name, path in setup["paths"].items():
         llm.register_adapter(name, path)
         ref = mixed_batch_greedy(load_peft_mixture(setup["hf"], {name: path}), [prompt], [name], STEPS)[0]
@@ -106,7 +112,9 @@ def test_step_statistics_show_real_mixed_batching(setup: dict) -> None:
     assert engine.pool.num_used == 0
 
 
-def _run_engine(engine: Engine, prompts: list[list[int]], adapters: list[str | None], params: SamplingParams) -> dict:
+def _run_engine(
+    engine: Engine, prompts: list[list[int]], adapters: list[str | None], params: SamplingParams
+) -> dict:
     for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
         engine.add_request(f"q{i}", p, params, a)
     preempted = 0
@@ -122,7 +130,9 @@ def test_small_pool_preempts_without_changing_outputs(setup: dict, tmp_path: Pat
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, prompt_logprobs=2, ignore_eos=True)
 
     def engine(num_blocks: int | None) -> Engine:
-        e = LLM(setup["model_dir"], block_size=4, num_kv_blocks=num_blocks, max_num_batched_tokens=4096).engine
+        e = LLM(
+            setup["model_dir"], block_size=4, num_kv_blocks=num_blocks, max_num_batched_tokens=4096
+        ).engine
         for name, path in setup["paths"].items():
             e.register_adapter(name, path)
         return e

@@ -22,13 +22,16 @@ def llm(model_dir: Path) -> LLM:
 
 
 def sampled(seed: int, n: int = 24, **kw) -> SamplingParams:  # noqa: ANN003
-    return SamplingParams(max_tokens=n, temperature=1.0, top_p=0.95, top_k=40, seed=seed, ignore_eos=True, **kw)
+    return SamplingParams(
+        max_tokens=n, temperature=1.0, top_p=0.95, top_k=40, seed=seed, ignore_eos=True, **kw
+    )
 
 
 def test_same_seed_same_tokens_whatever_the_batch(llm: LLM) -> None:
     alone = llm.generate(["abc"], sampled(123))[0]
     crowd = llm.generate(
-        ["zz top", "abc", "hello", "abc"], [sampled(1), sampled(123), SamplingParams(temperature=0), sampled(9)]
+        ["zz top", "abc", "hello", "abc"],
+        [sampled(1), sampled(123), SamplingParams(temperature=0), sampled(9)],
     )
     assert crowd[1].token_ids == alone.token_ids
     assert crowd[3].token_ids != alone.token_ids  # another seed, another draw
@@ -85,7 +88,14 @@ def test_text_and_token_prompts(llm: LLM) -> None:
 
 
 def test_invalid_sampling_params() -> None:
-    for kw in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
-               {"logprobs": -1}, {"stop": ("",)}):
+    for kw in (
+        {"max_tokens": 0},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {"logprobs": -1},
+        {"stop": ("",)},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**kw)

@@ -31,8 +31,15 @@ _BASE = dict(
 def hf_config(arch: str, **overrides: Any) -> transformers.PretrainedConfig:
     kw = dict(_BASE)
     if arch == "llama":
-        kw.update(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        kw.update(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        )
         kw.update(overrides)
         return transformers.LlamaConfig(**kw)
     if arch == "mistral":

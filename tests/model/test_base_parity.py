@@ -49,7 +49,9 @@ def test_logprobs_and_greedy_match_transformers(arch_model: tuple) -> None:
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (1, 70, 13)]
     ref = mixed_batch_greedy(hf, prompts, None, steps=16)
     llm = LLM(path)
-    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=TOP_N, prompt_logprobs=TOP_N, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=16, temperature=0.0, logprobs=TOP_N, prompt_logprobs=TOP_N, ignore_eos=True
+    )
     for out, r in zip(llm.generate(prompts, params), ref, strict=True):
         assert out.token_ids == r.tokens, arch
         assert_logprob_dicts_match(out.prompt_logprobs[1:], r.prompt_logprobs, TOP_N, 1e-4, f"{arch} prompt")
@@ -63,7 +65,11 @@ def test_prefill_then_decode_equals_token_by_token(arch_model: tuple) -> None:
     whole = LLM(path).generate([prompt], params)[0]
     one_by_one = LLM(path, max_num_batched_tokens=1).generate([prompt], params)[0]
     assert whole.token_ids == one_by_one.token_ids
-    pairs = zip(whole.prompt_logprobs[1:] + whole.logprobs, one_by_one.prompt_logprobs[1:] + one_by_one.logprobs, strict=True)
+    pairs = zip(
+        whole.prompt_logprobs[1:] + whole.logprobs,
+        one_by_one.prompt_logprobs[1:] + one_by_one.logprobs,
+        strict=True,
+    )
     for a, b in pairs:
         assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-5 for k in a)
 
@@ -79,7 +85,9 @@ def test_rope_scaling_key_of_transformers_4(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(raw))
     prompt = torch.randint(3, 97, (90,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = mixed_batch_greedy(hf, [prompt], None, steps=4)[0]
-    out = LLM(path).generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True))[0]
+    out = LLM(path).generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+    )[0]
     assert out.token_ids == ref.tokens
     assert_logprob_dicts_match(out.prompt_logprobs[1:], ref.prompt_logprobs, 2, 1e-4, "rope_scaling")
 
@@ -89,8 +97,14 @@ def test_half_precision_runs_close_to_float32(arch_model: tuple, dtype: str) -> 
     arch, hf, path = arch_model
     prompt = torch.randint(3, 97, (20,), generator=torch.Generator().manual_seed(6)).tolist()
     ref = mixed_batch_greedy(hf, [prompt], None, steps=1)[0]
-    out = LLM(path, dtype=dtype).generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0]
-    errs = [abs(d[k] - float(row[k])) for d, row in zip(out.prompt_logprobs[1:], ref.prompt_logprobs, strict=True) for k in d]
+    out = LLM(path, dtype=dtype).generate(
+        [prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    )[0]
+    errs = [
+        abs(d[k] - float(row[k]))
+        for d, row in zip(out.prompt_logprobs[1:], ref.prompt_logprobs, strict=True)
+        for k in d
+    ]
     assert max(errs) < 0.15, f"{arch} {dtype}: max |dlogprob| {max(errs)}"
 
 

@@ -1,0 +1,147 @@
+"""Triton LoRA kernels against the torch reference, on the CPU through the Triton interpreter.
+
+Small shapes, so the whole file runs in a few seconds. Skipped without triton; skipped on
+machines with CUDA (the GPU tests cover the same ground there, and the interpreter switch is
+process-wide, so it must not leak into them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/lora/test_triton_gpu.py runs the kernels for real", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import: @triton.jit reads it
+pytest.importorskip("triton")
+
+from lora.lora_cases import SMALL_SHAPES, make_table, random_ranks, reference, row_errors, slice_offsets  # noqa: E402
+
+from loraplex.bench.workloads import POPULARITIES, adapter_choices  # noqa: E402
+from loraplex.lora.metadata import LoRABatchMetadata  # noqa: E402
+from loraplex.lora.ops_triton import TritonLoRABackend  # noqa: E402
+from loraplex.lora.triton_config import DECODE, PREFILL, with_overrides  # noqa: E402
+from loraplex.lora.weights import AdapterWeights, LoRAPair  # noqa: E402
+
+DTYPE = torch.float32  # the interpreter runs fp32/fp16 only
+# Split K even at these tiny sizes, so the partial-sum path is exercised too.
+SPLIT_DECODE = with_overrides(DECODE, block_k=16, max_split=4)
+SMALL_PREFILL = with_overrides(PREFILL, block_m=16, block_k=16, block_n=32, n_chunk=64)
+
+
+def _backend(tiling=None) -> TritonLoRABackend:  # noqa: ANN001
+    be = TritonLoRABackend(tiling)
+    be.poison_scratch = True
+    return be
+
+
+def _check_all_groups(be: TritonLoRABackend, slots: list[int], table, seed: int = 0) -> None:  # noqa: ANN001
+    meta = LoRABatchMetadata.build(slots, table)
+    gen = torch.Generator().manual_seed(seed)
+    base_rows = [i for i, s in enumerate(slots) if s == -1]
+    for group, (d_in, widths) in SMALL_SHAPES.items():
+        offs = slice_offsets(widths)
+        x = torch.randn(len(slots), d_in, generator=gen, dtype=DTYPE)
+        y0 = torch.randn(len(slots), offs[-1], generator=gen, dtype=DTYPE)  # poison: never zeros
+        y = y0.clone()
+        be.apply(y, x, meta, table, 0, group, offs)
+        y_ref = reference(y0, x, meta, table, 0, group, offs)
+        lora_rows = [i for i, s in enumerate(slots) if s != -1]
+        assert row_errors(y[lora_rows], y_ref[lora_rows]).max() <= 1e-4, group
+        assert torch.equal(y[base_rows], y0[base_rows]), group
+
+
+@pytest.mark.parametrize("popularity", POPULARITIES)
+def test_popularity_mixed_ranks(popularity: str) -> None:
+    ranks = random_ranks(6, (8, 16, 32, 64), seed=1)
+    table = make_table(ranks, DTYPE, "cpu", seed=2)
+    slots = adapter_choices(21, len(ranks), popularity, seed=3)
+    slots[5] = -1  # one base-only row in the middle
+    _check_all_groups(_backend(SPLIT_DECODE), slots, table)
+
+
+def test_prefill_tiling_long_segments_and_segments_of_one() -> None:
+    table = make_table([16, 8, 32], DTYPE, "cpu", seed=4)
+    slots = [0] * 40 + [-1] * 3 + [1] + [2] * 20 + [1]  # long, length-1, and split segments
+    _check_all_groups(_backend(SMALL_PREFILL), slots, table)
+
+
+def test_default_tiling_picks_per_step() -> None:
+    table = make_table([8, 16], DTYPE, "cpu", seed=5)
+    be = _backend()
+    _check_all_groups(be, [0, 1, -1, 1], table)  # decode-shaped
+    _check_all_groups(be, [0] * 40 + [1] * 3, table)  # prefill-shaped
+
+
+def test_partial_targets_leave_untargeted_slices_untouched() -> None:
+    # adapter 0 adapts q and up only, adapter 1 only v: k and gate columns must stay bit-identical
+    table = make_table([16, 8], DTYPE, "cpu", seed=6, targets=[("q", "up"), ("v",)])
+    slots = [0, 1, 0, 1, -1]
+    meta = LoRABatchMetadata.build(slots, table)
+    be = _backend(SPLIT_DECODE)
+    x = torch.randn(5, 64)
+    offs = slice_offsets(SMALL_SHAPES["qkv"][1])
+    y0 = torch.randn(5, offs[-1])
+    y = y0.clone()
+    be.apply(y, x, meta, table, 0, "qkv", offs)
+    assert torch.equal(y[:, offs[1] : offs[2]], y0[:, offs[1] : offs[2]])  # k
+    y_ref = reference(y0, x, meta, table, 0, "qkv", offs)
+    assert row_errors(y[:4], y_ref[:4]).max() <= 1e-4
+    # o and down are adapted by no one: the backend launches nothing for them
+    for group in ("o", "down"):
+        d_in, widths = SMALL_SHAPES[group]
+        before = be.total_calls
+        yo = torch.randn(5, sum(widths))
+        keep = yo.clone()
+        be.apply(yo, torch.randn(5, d_in), meta, table, 0, group, slice_offsets(widths))
+        assert be.total_calls == before and torch.equal(yo, keep)
+
+
+def test_no_lora_rows_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = make_table([16], DTYPE, "cpu")
+    meta = LoRABatchMetadata.build([-1, -1, -1], table)
+    be = _backend()
+
+    class Boom:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            raise AssertionError("kernel launched for a batch without LoRA rows")
+
+    monkeypatch.setattr(be._k, "lora_shrink_kernel", Boom())
+    monkeypatch.setattr(be._k, "lora_expand_kernel", Boom())
+    y = torch.randn(3, 128)
+    for group, (d_in, widths) in SMALL_SHAPES.items():
+        be.apply(y[:, : sum(widths)], torch.randn(3, d_in), meta, table, 0, group, slice_offsets(widths))
+    assert be.total_calls == 0
+
+
+def test_table_refresh_on_version_change_and_unaligned_weights() -> None:
+    table = make_table([16, 8], DTYPE, "cpu", seed=7)
+    be = _backend(SPLIT_DECODE)
+    slots = [1, 0, 1]
+    _check_all_groups(be, slots, table)
+    # Replace slot 1 by an adapter whose tensors are unaligned, non-contiguous views.
+    old = table.weights(1)
+    pairs = {}
+    for key, p in old.pairs.items():
+        a_big = torch.randn(p.a.shape[0], p.a.shape[1] + 1)
+        b_big = torch.randn(p.b.shape[1], p.b.shape[0])
+        pairs[key] = LoRAPair(a_big[:, 1:], b_big.T, 2.0)  # offset by one element / transposed
+    table.set(1, AdapterWeights(pairs))
+    _check_all_groups(be, slots, table, seed=1)
+
+
+def test_mixed_layers_use_each_layers_weights() -> None:
+    table = make_table([16, 32], DTYPE, "cpu", num_layers=2, seed=8)
+    slots = [0, 1, 1, 0]
+    meta = LoRABatchMetadata.build(slots, table)
+    be = _backend(SPLIT_DECODE)
+    d_in, widths = SMALL_SHAPES["gate_up"]
+    offs = slice_offsets(widths)
+    x = torch.randn(4, d_in)
+    y0 = torch.randn(4, offs[-1])
+    for layer in (0, 1):
+        y = y0.clone()
+        be.apply(y, x, meta, table, layer, "gate_up", offs)
+        assert row_errors(y, reference(y0, x, meta, table, layer, "gate_up", offs)).max() <= 1e-4
