@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.lora.layout import GROUP_SLICES, TARGET_GROUP
+from loraplex.lora.layout import TARGET_GROUP
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,3 @@ class LoRASlotTable:
 
     def groups_of(self, slot: int) -> frozenset[tuple[int, str]]:
         return self._slots[slot].groups
-
-    def slices(self, layer: int, group: str) -> tuple[str, ...]:
-        return GROUP_SLICES[group]

@@ -37,11 +37,18 @@ def _backend(tiling=None) -> TritonLoRABackend:  # noqa: ANN001
     return be
 
 
-def _check_all_groups(be: TritonLoRABackend, slots: list[int], table, seed: int = 0) -> None:  # noqa: ANN001
+def _check_all_groups(
+    be: TritonLoRABackend,
+    slots: list[int],
+    table,  # noqa: ANN001
+    seed: int = 0,
+    groups: tuple[str, ...] = tuple(SMALL_SHAPES),
+) -> None:
     meta = LoRABatchMetadata.build(slots, table)
     gen = torch.Generator().manual_seed(seed)
     base_rows = [i for i, s in enumerate(slots) if s == -1]
-    for group, (d_in, widths) in SMALL_SHAPES.items():
+    for group in groups:
+        d_in, widths = SMALL_SHAPES[group]
         offs = slice_offsets(widths)
         x = torch.randn(len(slots), d_in, generator=gen, dtype=DTYPE)
         y0 = torch.randn(len(slots), offs[-1], generator=gen, dtype=DTYPE)  # poison: never zeros
@@ -55,16 +62,17 @@ def _check_all_groups(be: TritonLoRABackend, slots: list[int], table, seed: int 
 
 @pytest.mark.parametrize("popularity", POPULARITIES)
 def test_popularity_mixed_ranks(popularity: str) -> None:
-    ranks = random_ranks(6, (8, 16, 32, 64), seed=1)
+    ranks = random_ranks(5, (8, 16, 32, 64), seed=1)
     table = make_table(ranks, DTYPE, "cpu", seed=2)
-    slots = adapter_choices(21, len(ranks), popularity, seed=3)
+    slots = adapter_choices(12, len(ranks), popularity, seed=3)
     slots[5] = -1  # one base-only row in the middle
-    _check_all_groups(_backend(SPLIT_DECODE), slots, table)
+    # the fused groups (three and two slices); o and down run in the other tests
+    _check_all_groups(_backend(SPLIT_DECODE), slots, table, groups=("qkv", "gate_up"))
 
 
 def test_prefill_tiling_long_segments_and_segments_of_one() -> None:
     table = make_table([16, 8, 32], DTYPE, "cpu", seed=4)
-    slots = [0] * 40 + [-1] * 3 + [1] + [2] * 20 + [1]  # long, length-1, and split segments
+    slots = [0] * 35 + [-1] * 3 + [1] + [2] * 18 + [1]  # long, length-1, and split segments
     _check_all_groups(_backend(SMALL_PREFILL), slots, table)
 
 
