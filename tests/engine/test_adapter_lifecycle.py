@@ -198,3 +198,40 @@ def test_bad_requests_queue_nothing(env: dict) -> None:
     assert not engine.has_unfinished()
     assert engine.adapters.holds(engine.adapters.latest("good")) == 0
     assert llm.generate([PROMPT], GREEDY, adapters=["good"])[0].finished
+
+
+def test_two_revisions_of_one_name_in_one_batch(env: dict) -> None:
+    llm = LLM(env["model_dir"])
+    v1 = llm.register_adapter("tenant", env["good"])
+    v2 = llm.register_adapter("tenant", env["other"])
+    alone_v1 = llm.generate([PROMPT], GREEDY, adapters=[f"tenant@{v1.revision[:12]}"])[0]
+    alone_v2 = llm.generate([PROMPT], GREEDY, adapters=["tenant"])[0]
+    mixed = llm.generate([PROMPT, PROMPT, PROMPT], GREEDY, adapters=[f"tenant@{v1.revision}", "tenant", None])
+    assert llm.engine.last_stats.num_lora_segments == 2
+    assert mixed[0].adapter == v1 and mixed[1].adapter == v2 and mixed[2].adapter is None
+    assert mixed[0].token_ids == alone_v1.token_ids and mixed[1].token_ids == alone_v2.token_ids
+    for a, b in ((mixed[0], alone_v1), (mixed[1], alone_v2)):
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.keys() == y.keys() and all(abs(x[k] - y[k]) <= 1e-5 for k in x)
+
+
+def test_new_revision_does_not_touch_requests_in_flight(env: dict) -> None:
+    expected = LLM(env["model_dir"])
+    expected.register_adapter("tenant", env["good"])
+    want = expected.generate([PROMPT], GREEDY, adapters=["tenant"])[0]
+
+    llm = LLM(env["model_dir"])
+    v1 = llm.register_adapter("tenant", env["good"])
+    engine = llm.engine
+    engine.add_request("inflight", PROMPT, GREEDY, "tenant")
+    engine.step()
+    engine.step()
+    v2 = llm.register_adapter("tenant", env["other"])  # the name now means v2
+    engine.add_request("after", PROMPT, GREEDY, "tenant")
+    while engine.has_unfinished():
+        engine.step()
+    got = engine.output("inflight")
+    assert got.adapter == v1 and got.token_ids == want.token_ids
+    for x, y in zip(got.logprobs, want.logprobs, strict=True):  # batch neighbours differ: 1e-5
+        assert x.keys() == y.keys() and all(abs(x[k] - y[k]) <= 1e-5 for k in x)
+    assert engine.output("after").adapter == v2

@@ -13,12 +13,11 @@ import pytest
 import torch
 
 if torch.cuda.is_available():
-    pytest.skip("CUDA present: tests/lora/test_triton_gpu.py runs the kernels for real", allow_module_level=True)
+    pytest.skip("CUDA present: test_triton_gpu.py runs the kernels for real", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import: @triton.jit reads it
 pytest.importorskip("triton")
 
 from lora.lora_cases import SMALL_SHAPES, make_table, random_ranks, reference, row_errors, slice_offsets  # noqa: E402
-
 from loraplex.bench.workloads import POPULARITIES, adapter_choices  # noqa: E402
 from loraplex.lora.metadata import LoRABatchMetadata  # noqa: E402
 from loraplex.lora.ops_triton import TritonLoRABackend  # noqa: E402

@@ -1,0 +1,46 @@
+"""`loraplex bench ...` subcommands (argparse). `register` plugs them into the main CLI; this module
+also runs alone: `python -m loraplex.bench.cli kernels --out DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_KERNELS_OUT = Path("bench-results/kernels")
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from loraplex.bench.kernels import run  # lazy: torch.cuda work and triton only when asked
+
+    report = run(args.out, quick=args.quick, reps=args.reps, warmup=args.warmup, sweep=not args.no_sweep)
+    for t in report["targets"]:
+        print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['name']}: {t['value']:.3f} ({t['threshold']})")
+    print(f"wrote {args.out}/kernels.json, kernels.md, kernels.png")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (writes JSON + markdown + PNG)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    k = sub.add_parser("kernels", help="LoRA kernels on Llama-3-8B layer shapes (needs CUDA)")
+    k.add_argument("--out", type=Path, default=DEFAULT_KERNELS_OUT, help="output directory")
+    k.add_argument("--quick", action="store_true", help="only the three target cases")
+    k.add_argument("--reps", type=int, default=40, help="timed runs per measurement (median)")
+    k.add_argument("--warmup", type=int, default=5)
+    k.add_argument("--no-sweep", action="store_true", help="skip the tiling comparison")
+    k.set_defaults(run=_kernels)  # the main CLI dispatches on `args.run`
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loraplex.bench.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    argv = sys.argv[1:] if argv is None else argv
+    # standalone: accept both `kernels ...` and `bench kernels ...`
+    args = parser.parse_args(argv if argv[:1] == ["bench"] else ["bench", *argv])
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

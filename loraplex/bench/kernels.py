@@ -1,0 +1,222 @@
+"""`loraplex bench kernels`: the Triton LoRA op on Llama-3-8B layer shapes, against the ceilings
+(copy bandwidth, bf16 matrix rate) and the base GEMM measured in the same run.
+
+For every case and layer (qkv, o, gate_up, down and the whole layer): median CUDA-event time
+with L2 flushed, eager and as a CUDA-graph replay; the minimal bytes; achieved bandwidth as a
+fraction of the measured copy bandwidth; the base GEMM of the same layer. Then the three targets,
+and a tiling table (decode vs prefill tiling and variants on several shapes) that backs the
+tiling choice in `loraplex.lora.triton_config`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.bench.kernel_cases import (
+    GROUPS,
+    LAYER,
+    LLAMA3_8B,
+    RANK_MIXES,
+    TARGET_DECODE,
+    TARGET_MIXED,
+    TARGET_PREFILL,
+    KernelCase,
+    all_cases,
+    case_flops,
+    case_min_bytes,
+    quick_cases,
+)
+from loraplex.bench.timing import GpuTimer, copy_bandwidth, matmul_rate
+from loraplex.lora.layout import GROUP_SLICES
+from loraplex.lora.metadata import LoRABatchMetadata
+from loraplex.lora.triton_config import DECODE, PREFILL, LoRATiling, with_overrides
+from loraplex.lora.weights import AdapterWeights, LoRAPair, LoRASlotTable
+
+DTYPE = torch.bfloat16
+MAX_ADAPTERS = 64
+
+TILING_VARIANTS: dict[str, LoRATiling] = {
+    "decode": DECODE,
+    "decode n_chunk=256": with_overrides(DECODE, n_chunk=256),
+    "decode n_chunk=1024": with_overrides(DECODE, n_chunk=1024),
+    "prefill": PREFILL,
+    "prefill m=128 n=64": with_overrides(PREFILL, block_m=128, block_n=64),
+}
+TILING_CASES = (
+    TARGET_DECODE,
+    KernelCase("decode", 256, 8, "16"),  # 32 rows per adapter: the cut-over region
+    KernelCase("prefill", 1024, 8, "16"),  # 128 rows per adapter
+    TARGET_PREFILL,
+)
+
+
+def _offsets(widths: tuple[int, ...]) -> tuple[int, ...]:
+    out = [0]
+    for w in widths:
+        out.append(out[-1] + w)
+    return tuple(out)
+
+
+def build_table(ranks: tuple[int, ...], device: torch.device, n: int = MAX_ADAPTERS) -> LoRASlotTable:
+    """n adapters on layer 0, adapter i at rank ranks[i % len(ranks)], every target adapted."""
+    table = LoRASlotTable(1)
+    for i in range(n):
+        r = ranks[i % len(ranks)]
+        pairs = {}
+        for group, (d_in, widths) in LLAMA3_8B.items():
+            for t, d_out in zip(GROUP_SLICES[group], widths, strict=True):
+                a = torch.randn(r, d_in, device=device, dtype=DTYPE) * d_in**-0.5
+                b = torch.randn(d_out, r, device=device, dtype=DTYPE) * r**-0.5
+                pairs[(0, t)] = LoRAPair(a, b, 2.0)
+        table.set(i, AdapterWeights(pairs))
+    return table
+
+
+class KernelBench:
+    def __init__(self, device: torch.device, reps: int, warmup: int) -> None:
+        from loraplex.lora.ops_triton import TritonLoRABackend
+
+        self.device = device
+        self.timer = GpuTimer(device, reps, warmup)
+        self.backend_cls = TritonLoRABackend
+        self.tables: dict[str, LoRASlotTable] = {}
+        self._base_w = {
+            g: torch.randn(sum(w), d, device=device, dtype=DTYPE) * d**-0.5 for g, (d, w) in LLAMA3_8B.items()
+        }
+        self._base_cache: dict[int, dict[str, dict[str, float]]] = {}
+
+    def table(self, ranks: str) -> LoRASlotTable:
+        if ranks not in self.tables:
+            self.tables = {}  # one rank mix resident at a time keeps memory flat
+            torch.cuda.empty_cache()
+            self.tables[ranks] = build_table(RANK_MIXES[ranks], self.device)
+        return self.tables[ranks]
+
+    def _io(self, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        xs = {g: torch.randn(rows, d, device=self.device, dtype=DTYPE) for g, (d, _) in LLAMA3_8B.items()}
+        ys = {
+            g: torch.randn(rows, sum(w), device=self.device, dtype=DTYPE) for g, (_, w) in LLAMA3_8B.items()
+        }
+        return xs, ys
+
+    def _time_pair(self, fn: Callable[[], None]) -> dict[str, float]:
+        return {"eager_us": 1e3 * self.timer.median_ms(fn), "graph_us": 1e3 * self.timer.graph_median_ms(fn)}
+
+    def base_gemm(self, rows: int) -> dict[str, dict[str, float]]:
+        """Base linear layers of the same shapes (cuBLAS through F.linear), cached per row count."""
+        if rows not in self._base_cache:
+            xs, _ = self._io(rows)
+            fns = {g: (lambda g=g: F.linear(xs[g], self._base_w[g])) for g in GROUPS}
+            fns[LAYER] = lambda: [fns[g]() for g in GROUPS]
+            self._base_cache[rows] = {g: self._time_pair(fn) for g, fn in fns.items()}
+        return self._base_cache[rows]
+
+    def run_case(self, case: KernelCase, tiling: LoRATiling | None = None, groups: bool = True) -> dict:
+        table = self.table(case.ranks)
+        slots = case.row_slots()
+        t0 = time.perf_counter()
+        meta = LoRABatchMetadata.build(slots, table, self.device)
+        build_us = 1e6 * (time.perf_counter() - t0)
+        be = self.backend_cls(tiling)
+        be.prepare(meta, table, self.device)
+        xs, ys = self._io(case.rows)
+        offs = {g: _offsets(w) for g, (_, w) in LLAMA3_8B.items()}
+
+        def one(g: str) -> Callable[[], None]:
+            return lambda: be.apply(ys[g], xs[g], meta, table, 0, g, offs[g])
+
+        fns = {g: one(g) for g in GROUPS} if groups else {}
+        fns[LAYER] = lambda: [be.apply(ys[g], xs[g], meta, table, 0, g, offs[g]) for g in GROUPS]
+        out = {"case": asdict(case), "label": case.label, "meta_build_us": build_us, "layers": {}}
+        for g, fn in fns.items():
+            m = self._time_pair(fn)
+            m["min_bytes"] = case_min_bytes(case, g)
+            m["flops"] = case_flops(case, g)
+            out["layers"][g] = m
+        return out
+
+
+def _add_ratios(res: dict, copy_bw: float, mm_rate: float, base: dict[str, dict[str, float]]) -> None:
+    for g, m in res["layers"].items():
+        for mode in ("eager", "graph"):
+            t = m[f"{mode}_us"] * 1e-6
+            m[f"{mode}_copy_frac"] = m["min_bytes"] / t / copy_bw
+            m[f"{mode}_mm_frac"] = m["flops"] / t / mm_rate
+        m["base_eager_us"] = base[g]["eager_us"]
+        m["base_graph_us"] = base[g]["graph_us"]
+
+
+def evaluate_targets(results: list[dict], copy_bw: float, mm_rate: float) -> list[dict]:
+    by = {r["label"]: r["layers"][LAYER] for r in results}
+    out = []
+    d = by.get(TARGET_DECODE.label)
+    if d:
+        frac = d["graph_copy_frac"]
+        out.append({"name": "decode layer M=64 D=32 r=16: copy-bw fraction (graph)", "value": frac,
+                    "threshold": ">= 0.50", "pass": frac >= 0.5})  # fmt: skip
+    mx = by.get(TARGET_MIXED.label)
+    if d and mx:
+        allowed = 1.15 * d["graph_us"] * mx["min_bytes"] / d["min_bytes"]
+        out.append({"name": "mixed ranks M=64 D=32: time / (r=16 time x bytes ratio) (graph)",
+                    "value": mx["graph_us"] / (allowed / 1.15), "threshold": "<= 1.15",
+                    "pass": mx["graph_us"] <= allowed})  # fmt: skip
+    p = by.get(TARGET_PREFILL.label)
+    if p:
+        t = min(p["eager_us"], p["graph_us"]) * 1e-6
+        bytes_floor, flops_floor = p["min_bytes"] / copy_bw, p["flops"] / mm_rate
+        bound = "copy bandwidth" if bytes_floor >= flops_floor else "matrix rate"
+        frac = max(bytes_floor, flops_floor) / t
+        out.append({"name": f"prefill layer M=4096 D=8 r=16: fraction of {bound}", "value": frac,
+                    "threshold": ">= 0.50", "pass": frac >= 0.5})  # fmt: skip
+    return out
+
+
+def run(out_dir: Path, quick: bool = False, reps: int = 40, warmup: int = 5, sweep: bool = True) -> dict:
+    import triton
+
+    from loraplex.bench.report import write_report
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench kernels needs a CUDA device")
+    device = torch.device("cuda")
+    bench = KernelBench(device, reps, warmup)
+    copy_bw = copy_bandwidth(bench.timer)
+    mm_rate = matmul_rate(bench.timer)
+    print(
+        f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, bf16 matrix rate {mm_rate / 1e12:.0f} TFLOP/s", flush=True
+    )
+    results = []
+    for case in quick_cases() if quick else all_cases():
+        res = bench.run_case(case)
+        _add_ratios(res, copy_bw, mm_rate, bench.base_gemm(case.rows))
+        lay = res["layers"][LAYER]
+        print(f"{case.label:28s} layer {lay['eager_us']:8.1f} us eager {lay['graph_us']:8.1f} us graph "
+              f"{lay['graph_copy_frac']:5.2f} of copy bw", flush=True)  # fmt: skip
+        results.append(res)
+    tilings = []
+    if sweep:
+        for case in TILING_CASES:
+            for name, tiling in TILING_VARIANTS.items():
+                res = bench.run_case(case, tiling, groups=False)
+                lay = res["layers"][LAYER]
+                tilings.append({"case": case.label, "tiling": name, "eager_us": lay["eager_us"],
+                                "graph_us": lay["graph_us"]})  # fmt: skip
+    report = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_bw_GBps": copy_bw / 1e9,
+        "matmul_TFLOPs": mm_rate / 1e12,
+        "reps": reps,
+        "results": results,
+        "tiling": tilings,
+        "targets": evaluate_targets(results, copy_bw, mm_rate),
+    }
+    write_report(report, out_dir)
+    return report

@@ -1,0 +1,141 @@
+"""Triton LoRA kernels on the GPU: bf16 against a float32 torch reference, launch counts, graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora.lora_cases import (
+    LLAMA3_8B_SHAPES,
+    SMALL_SHAPES,
+    make_table,
+    random_ranks,
+    reference,
+    row_errors,
+    slice_offsets,
+)
+from loraplex.bench.workloads import POPULARITIES, adapter_choices, row_slots, spread
+from loraplex.lora.metadata import LoRABatchMetadata
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+DTYPE = torch.bfloat16
+TOL = 1e-2  # per row: max|y - y_ref| / max|y_ref|, bf16 against float32
+# A mid-size GQA layer: big enough for several K/N tiles, small enough for many cases.
+MID_SHAPES = {"qkv": (1024, (1024, 256, 256)), "o": (1024, (1024,)), "gate_up": (1024, (2816, 2816)),
+              "down": (2816, (1024,))}  # fmt: skip
+
+
+def _backend():  # noqa: ANN202
+    from loraplex.lora.ops_triton import TritonLoRABackend
+
+    be = TritonLoRABackend()
+    be.poison_scratch = True
+    return be
+
+
+def _check(be, slots: list[int], table, shapes, seed: int = 0) -> None:  # noqa: ANN001
+    meta = LoRABatchMetadata.build(slots, table, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    lora_rows = torch.tensor([i for i, s in enumerate(slots) if s != -1], device=DEV, dtype=torch.long)
+    base_rows = torch.tensor([i for i, s in enumerate(slots) if s == -1], device=DEV, dtype=torch.long)
+    for group, (d_in, widths) in shapes.items():
+        offs = slice_offsets(widths)
+        x = torch.randn(len(slots), d_in, generator=gen, device=DEV).to(DTYPE)
+        y0 = torch.randn(len(slots), offs[-1], generator=gen, device=DEV).to(DTYPE)
+        y = y0.clone()
+        be.apply(y, x, meta, table, 0, group, offs)
+        torch.cuda.synchronize()
+        y_ref = reference(y0, x, meta, table, 0, group, offs)
+        err = row_errors(y[lora_rows], y_ref[lora_rows])
+        assert not err.isnan().any(), group
+        assert err.max().item() <= TOL, (group, err.max().item())
+        # the LoRA increment alone, too (y0 can hide a wrong delta of small size)
+        d_err = row_errors((y.float() - y0.float())[lora_rows], (y_ref - y0.float())[lora_rows])
+        assert d_err.max().item() <= 2 * TOL, (group, d_err.max().item())
+        assert torch.equal(y[base_rows], y0[base_rows]), group  # bit-identical
+
+
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("rows", [1, 37, 600])
+def test_popularity_mixed_ranks(popularity: str, rows: int) -> None:
+    ranks = random_ranks(24, (8, 16, 32, 64), seed=rows)
+    table = make_table(ranks, DTYPE, DEV, shapes=MID_SHAPES, seed=1)
+    slots = adapter_choices(rows, len(ranks), popularity, seed=2)
+    if rows > 2:
+        slots[1] = -1
+    _check(_backend(), slots, table, MID_SHAPES)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 64, 257, 1024, 8192])
+def test_llama3_shapes_rows_1_to_8192(rows: int) -> None:
+    table = make_table([8, 16, 32, 64, 16, 8, 64, 32], DTYPE, DEV, shapes=LLAMA3_8B_SHAPES, seed=3)
+    if rows <= 256:  # decode-shaped: one row per request, rows interleaved
+        slots = row_slots(spread(rows, 8, seed=4), 1, base_every=5)
+    else:  # prefill-shaped: a few long requests
+        n_req = 8
+        lens = [rows // n_req] * (n_req - 1) + [rows - rows // n_req * (n_req - 1)]
+        slots = row_slots(list(range(n_req)), lens, base_every=7)
+    _check(_backend(), slots, table, LLAMA3_8B_SHAPES)
+
+
+def test_segments_of_one_row_many_adapters() -> None:
+    table = make_table(random_ranks(64, (8, 16, 32, 64), seed=5), DTYPE, DEV, shapes=MID_SHAPES, seed=6)
+    _check(_backend(), list(range(64)), table, MID_SHAPES)
+
+
+def _kernel_launches(fn) -> int:  # noqa: ANN001
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def test_launch_counts_with_profiler() -> None:
+    from loraplex.lora.ops_triton import TritonLoRABackend
+
+    table = make_table([16, 32], DTYPE, DEV, shapes=SMALL_SHAPES, seed=7, targets=[("q", "v", "up"), ("k",)])
+    be = TritonLoRABackend()
+    meta = LoRABatchMetadata.build([0, 1, -1, 0, 1], table, DEV)
+    ys = {g: torch.randn(5, sum(w), device=DEV, dtype=DTYPE) for g, (_, w) in SMALL_SHAPES.items()}
+    xs = {g: torch.randn(5, d, device=DEV, dtype=DTYPE) for g, (d, _) in SMALL_SHAPES.items()}
+
+    def run(meta: LoRABatchMetadata) -> None:
+        for g, (_, widths) in SMALL_SHAPES.items():
+            be.apply(ys[g], xs[g], meta, table, 0, g, slice_offsets(widths))
+
+    run(meta)  # compile, build the device tables
+    # qkv (three slices, one launch pair), gate_up (only up adapted): 2 launches each; o, down: none
+    assert _kernel_launches(lambda: run(meta)) == 4
+    empty = LoRABatchMetadata.build([-1, -1, -1, -1, -1], table, DEV)
+    assert _kernel_launches(lambda: run(empty)) == 0
+
+
+def test_cuda_graph_replay_follows_new_inputs() -> None:
+    from loraplex.lora.ops_triton import TritonLoRABackend
+
+    table = make_table([8, 64, 16], DTYPE, DEV, shapes=MID_SHAPES, seed=8)
+    be = TritonLoRABackend()
+    slots = [2, 0, -1, 1, 1, 2, 0]
+    meta = LoRABatchMetadata.build(slots, table, DEV)
+    d_in, widths = MID_SHAPES["qkv"]
+    offs = slice_offsets(widths)
+    x = torch.randn(len(slots), d_in, device=DEV, dtype=DTYPE)
+    y = torch.randn(len(slots), offs[-1], device=DEV, dtype=DTYPE)
+    be.prepare(meta, table, DEV)
+    be.apply(y.clone(), x, meta, table, 0, "qkv", offs)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be.apply(y, x, meta, table, 0, "qkv", offs)
+    for seed in (1, 2):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=g, device=DEV))
+        y0 = torch.randn(y.shape, generator=g, device=DEV).to(DTYPE)
+        y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert row_errors(y, reference(y0, x, meta, table, 0, "qkv", offs)).max().item() <= TOL
