@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from loraplex.config_cli import add_engine_args, engine_config_from_args
+from loraplex.config_cli import add_engine_args, engine_config_from_args, engine_defaults_from_mapping
 
 DEFAULT_TINY_DIR = Path.home() / ".cache" / "loraplex" / "tiny-llama"
 
@@ -55,6 +55,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
     add_engine_args(gen)
+
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible server (default: the demo model and its adapters)"
+    )
+    serve.add_argument("--config", type=Path, help="TOML or JSON file with server and engine settings")
+    serve.add_argument("--model", help="Hugging Face model directory (default: the bundled demo model)")
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        type=_parse_adapter,
+        default=[],
+        metavar="NAME=DIR",
+        help="serve a PEFT adapter directory as model NAME (repeatable)",
+    )
+    serve.add_argument("--host", default=None, help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: 8000)")
+    serve.add_argument("--served-model-name", default=None, help="the base model's name in the API")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted bearer token (repeatable; "
+        "also LORAPLEX_API_KEYS=a,b); none configured: any token is accepted",
+    )
+    add_engine_args(serve)
+    serve.set_defaults(subparser=serve)  # a config file's engine settings become this parser's defaults
+
+    adapters = sub.add_parser("adapters", help="adapter operations")
+    adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
+    listing = adapters_sub.add_parser("list", help="list the models and adapters a running server serves")
+    listing.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
+    listing.add_argument("--api-key", default=None)
 
     tiny = sub.add_parser("build-tiny-model", help="write a tiny random Llama + character tokenizer")
     tiny.add_argument("path", type=Path, nargs="?", default=DEFAULT_TINY_DIR)
@@ -121,11 +153,60 @@ def _ensure_tiny_model() -> Path:
     return DEFAULT_TINY_DIR
 
 
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from loraplex.server.serve import ServerSettings, build_server, load_settings_file, run_server
+
+    settings = load_settings_file(args.config) if args.config else ServerSettings()
+    if settings.engine:
+        engine_defaults_from_mapping(args.subparser, settings.engine)
+        args = parser.parse_args(args.argv)
+    if args.model:
+        settings.model, settings.adapters = args.model, {}
+    settings.adapters.update(dict(args.adapter))
+    if settings.model is None:
+        from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
+
+        settings.model = str(DEMO_MODEL_DIR)
+        settings.adapters = {**{k: str(v) for k, v in DEMO_ADAPTERS.items()}, **settings.adapters}
+    settings.host = args.host or settings.host
+    settings.port = args.port or settings.port
+    settings.served_model_name = args.served_model_name or settings.served_model_name
+    settings.api_keys = [*settings.api_keys, *args.api_key]
+    print(f"loading {settings.model} ...", file=sys.stderr)
+    server = build_server(settings, engine_config_from_args(settings.model, args))
+    run_server(server, settings.host, settings.port)
+    return 0
+
+
+def _list_adapters(args: argparse.Namespace) -> int:
+    import urllib.request
+
+    req = urllib.request.Request(args.url.rstrip("/") + "/v1/models")
+    if args.api_key:
+        req.add_header("Authorization", f"Bearer {args.api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            models = json.load(resp)["data"]
+    except OSError as err:
+        print(f"error: cannot reach a loraplex server at {args.url}: {err}", file=sys.stderr)
+        return 1
+    for m in models:
+        kind = "base" if m.get("parent") is None else f"adapter of {m['parent']}, revision {m['revision']}"
+        print(f"{m['id']}\t{kind}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv  # re-parsed by serve after a config file sets defaults
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args, parser)
+        if args.command == "adapters":
+            return _list_adapters(args)
         if args.command == "build-tiny-model":
             from loraplex.demo.tiny_model import build_tiny_model
 

@@ -36,6 +36,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
 
 
+def engine_defaults_from_mapping(parser: argparse.ArgumentParser, values: dict[str, Any]) -> None:
+    """Use a config file's engine settings (flat field names, or nested by section) as defaults,
+    so flags given on the command line still win."""
+    defaults: dict[str, Any] = {}
+    known = {"dtype", "device", "seed"}
+    flat = dict(values)
+    for section in _SECTIONS:
+        nested = flat.pop(section, None)
+        if isinstance(nested, dict):
+            flat.update(nested)
+    for key, value in flat.items():
+        section = next((s for s, cls in _SECTIONS.items() if key in cls.__dataclass_fields__), None)
+        if key == "max_lora_rank":
+            section, key = "lora", "max_rank"
+        if section is not None:
+            defaults[f"{section}__{key}"] = value
+        elif key in known:
+            defaults[key] = value
+        else:
+            raise ValueError(f"unknown engine setting {key!r} in the config file")
+    parser.set_defaults(**defaults)
+
+
 def engine_config_from_args(model_dir: str, args: argparse.Namespace) -> EngineConfig:
     sections: dict[str, Any] = {}
     for section, cls in _SECTIONS.items():

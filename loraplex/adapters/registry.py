@@ -109,6 +109,10 @@ class AdapterRegistry:
     def list(self) -> list[RegisteredRevision]:
         return [entry for revs in self._revisions.values() for entry in revs.values()]
 
+    def list_latest(self) -> list[RegisteredRevision]:
+        """The latest revision of every name, in registration order of the names."""
+        return [self._revisions[name][rev] for name, rev in self._latest.items()]
+
     def latest(self, name: str) -> AdapterRef:
         return self.resolve(name).ref
 

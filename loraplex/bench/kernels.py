@@ -192,7 +192,8 @@ def run(out_dir: Path, quick: bool = False, reps: int = 40, warmup: int = 5, swe
         f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, bf16 matrix rate {mm_rate / 1e12:.0f} TFLOP/s", flush=True
     )
     results = []
-    for case in quick_cases() if quick else all_cases():
+    first = quick_cases()  # the target cases first, so a cut-short run still has them in its log
+    for case in first if quick else first + [c for c in all_cases() if c not in first]:
         res = bench.run_case(case)
         _add_ratios(res, copy_bw, mm_rate, bench.base_gemm(case.rows))
         lay = res["layers"][LAYER]

@@ -139,11 +139,13 @@ class TritonLoRABackend:
         if self.poison_scratch:
             h.fill_(float("nan"))
         k = self._k
-        k.lora_shrink_kernel[k.shrink_grid(n_segs, row_tiles, split.n_split)](
+        r_chunks = step.block_r // min(step.block_r, tiling.shrink_block_r)
+        k.lora_shrink_kernel[k.shrink_grid(n_segs * r_chunks, row_tiles, split.n_split)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             dev.n_slots, d_in, x.stride(0), num_rows, row_tiles,
             N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=rank_aligned, W_ALIGN=w_align,
-            BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r, K_CHUNK=split.k_chunk,
+            BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r,
+            BLOCK_RC=step.block_r // r_chunks, K_CHUNK=split.k_chunk,
             num_warps=tiling.shrink_warps, num_stages=tiling.shrink_stages,
         )  # fmt: skip
         k.lora_expand_kernel[k.expand_grid(n_segs, row_tiles, _cdiv(widest, tiling.n_chunk), n_slices)](

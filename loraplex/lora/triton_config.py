@@ -20,6 +20,7 @@ class LoRATiling:
     name: str
     block_m: int  # rows per program (both kernels)
     block_k: int  # shrink: K step
+    shrink_block_r: int  # shrink: rank columns per program (larger ranks get more programs)
     block_n: int  # expand: column step
     n_chunk: int  # expand: columns per program (a multiple of block_n)
     shrink_warps: int
@@ -29,8 +30,8 @@ class LoRATiling:
     max_split: int  # shrink: most K chunks per row tile
 
 
-DECODE = LoRATiling("decode", 16, 128, 128, 512, 4, 4, 4, 3, 16)
-PREFILL = LoRATiling("prefill", 64, 64, 128, 256, 4, 3, 4, 3, 4)
+DECODE = LoRATiling("decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16)
+PREFILL = LoRATiling("prefill", 64, 64, 16, 128, 256, 4, 3, 4, 3, 4)
 TILINGS = {t.name: t for t in (DECODE, PREFILL)}
 
 # Longest segment up to this many rows: decode tiling. A 16-row tile wastes little on 1-2 rows;

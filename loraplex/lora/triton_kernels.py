@@ -73,11 +73,17 @@ def lora_shrink_kernel(
     W_ALIGN: tl.constexpr,  # elements per 16 bytes
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # width of h's rank planes (covers the step's largest rank)
+    BLOCK_RC: tl.constexpr,  # rank columns per program
     K_CHUNK: tl.constexpr,  # K columns per split, a multiple of BLOCK_K
 ):
-    # grid: (S * row_tiles, n_split); one program = one row tile of one segment, one K chunk, all slices
-    pid = tl.program_id(0)
+    # grid: (S * row_tiles * BLOCK_R // BLOCK_RC, n_split); one program = one row tile of one
+    # segment, one chunk of rank columns, one K chunk, all slices. Splitting the rank keeps every
+    # program's share of A the same size whatever the adapter's rank, so mixed ranks balance and
+    # a rank-64 adapter does not make every program carry 64-wide tiles.
+    R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
+    pid = tl.program_id(0) // R_CHUNKS
+    rc = tl.program_id(0) % R_CHUNKS  # fastest-varying: programs sharing an X tile run together
     split = tl.program_id(1)
     seg = pid // row_tiles
     seg_lo = tl.load(seg_offsets_ptr + seg)
@@ -89,17 +95,24 @@ def lora_shrink_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
     x_rows = x_ptr + rows[:, None] * stride_xm
 
     a0, r0 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 0, RANK_ALIGNED, W_ALIGN)
-    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
+    r_max = r0 if SLICE_MASK & 1 else 0
     if N_SLICES > 1:
         a1, r1 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 1, RANK_ALIGNED, W_ALIGN)
-        acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
+        if SLICE_MASK & 2:
+            r_max = tl.maximum(r_max, r1)
     if N_SLICES > 2:
         a2, r2 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 2, RANK_ALIGNED, W_ALIGN)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
+        if SLICE_MASK & 4:
+            r_max = tl.maximum(r_max, r2)
+    if rc * BLOCK_RC >= r_max:  # past this adapter's rank in every slice: nothing to read or write
+        return
 
     k_lo = split * K_CHUNK
     # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).

@@ -1,0 +1,190 @@
+"""Runs the engine's step loop on one background thread and feeds each request's outputs to
+asyncio consumers.
+
+The engine is single-threaded by design: every call into it (add_request, abort, step) happens
+on the loop thread. HTTP handlers talk to it through a command queue; each request gets an
+asyncio queue of `RequestOutput` snapshots, one per step that produced a token for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraplex.engine.engine import Engine
+from loraplex.types import AdapterRef, RequestOutput, SamplingParams
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput]
+    arrival: float
+    adapter: AdapterRef | None = None
+    first_token: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    adapter: str | AdapterRef | None
+    stream: _Stream
+    done: Future = field(default_factory=Future)
+
+
+class StepObserver:
+    """Hooks the loop calls on its own thread (metrics implement these)."""
+
+    def on_admitted(self, out: RequestOutput) -> None: ...
+    def on_first_token(self, adapter: AdapterRef | None, seconds: float) -> None: ...
+    def on_finished(self, out: RequestOutput, seconds_per_output_token: float | None) -> None: ...
+    def on_step(self, engine: Engine) -> None: ...
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, observer: StepObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer or StepObserver()
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def add(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | AdapterRef | None,
+    ) -> tuple[asyncio.Queue[RequestOutput], AdapterRef | None]:
+        """Admit a request; raises the engine's ValueError (bad prompt, unknown adapter) here.
+        Returns the request's output queue and the adapter revision it was pinned to."""
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), time.monotonic())
+        cmd = _Add(request_id, prompt, params, adapter, stream)
+        self._commands.put(cmd)
+        await asyncio.wrap_future(cmd.done)
+        return stream.outputs, stream.adapter
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (client gone); safe to call for finished or unknown ids."""
+        self._commands.put(("abort", request_id))
+
+    def call(self, fn: Callable[[Engine], Any]) -> Future:
+        """Run fn(engine) on the loop thread (admin operations such as registering adapters)."""
+        fut: Future = Future()
+        self._commands.put(("call", fn, fut))
+        return fut
+
+    # --- the loop thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                block = not self.engine.has_unfinished()
+                self._drain(block)
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as err:  # surface a crashed loop through /health instead of hanging
+            self.error = err
+            for rid, stream in list(self._streams.items()):
+                self._push(stream, _aborted(self.engine, rid))
+            raise
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: Any) -> None:
+        if cmd is None:
+            return
+        if isinstance(cmd, _Add):
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.adapter)
+            except Exception as err:  # reported to the handler, which maps it to an HTTP error
+                cmd.done.set_exception(err)
+                return
+            out = self.engine.output(cmd.request_id)
+            cmd.stream.adapter = out.adapter
+            self._streams[cmd.request_id] = cmd.stream
+            self.observer.on_admitted(out)
+            cmd.done.set_result(None)
+        elif cmd[0] == "abort":
+            rid = cmd[1]
+            if self.engine.abort(rid):
+                stream = self._streams.pop(rid, None)
+                out = self.engine.output(rid)
+                self.engine.release(rid)
+                if stream is not None:
+                    self.observer.on_finished(out, None)
+                    self._push(stream, out)
+        elif cmd[0] == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as err:
+                fut.set_exception(err)
+
+    def _step(self) -> None:
+        deltas = self.engine.step()
+        now = time.monotonic()
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            out = self.engine.output(delta.request_id)
+            if stream.first_token is None:
+                stream.first_token = now
+                self.observer.on_first_token(stream.adapter, now - stream.arrival)
+            stream.num_tokens = len(out.token_ids)
+            if delta.finished:
+                del self._streams[delta.request_id]
+                self.engine.release(delta.request_id)
+                tpot = (now - stream.first_token) / (stream.num_tokens - 1) if stream.num_tokens > 1 else None
+                self.observer.on_finished(out, tpot)
+            self._push(stream, out)
+        self.observer.on_step(self.engine)
+
+    @staticmethod
+    def _push(stream: _Stream, out: RequestOutput) -> None:
+        # RuntimeError: the consumer's event loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+
+
+def _aborted(engine: Engine, request_id: str) -> RequestOutput:
+    out = engine.output(request_id)
+    out.finished = True
+    out.finish_reason = out.finish_reason or "abort"
+    return out

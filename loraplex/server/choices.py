@@ -1,0 +1,68 @@
+"""One HTTP request = one or more engine requests (n choices, several prompts): admit them
+together, collect them, cancel them together."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from loraplex.server.async_engine import AsyncEngine
+from loraplex.types import AdapterRef, RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class ChoiceRun:
+    index: int  # the choice's index in the response
+    prompt: str | list[int]
+    params: SamplingParams
+
+    def request_id(self, base: str) -> str:
+        return f"{base}-{self.index}"
+
+
+async def run_choices(
+    async_engine: AsyncEngine, request_id: str, runs: list[ChoiceRun], adapter: str | None
+) -> list[asyncio.Queue[RequestOutput]]:
+    """Admit every choice; the first admission pins the adapter revision for all the others, so
+    a registration in between cannot split one response across two revisions."""
+    queues: list[asyncio.Queue[RequestOutput]] = []
+    pinned: str | AdapterRef | None = adapter
+    try:
+        for run in runs:
+            q, ref = await async_engine.add(run.request_id(request_id), run.prompt, run.params, pinned)
+            pinned = ref
+            queues.append(q)
+    except BaseException:
+        for run in runs[: len(queues)]:
+            async_engine.abort(run.request_id(request_id))
+        raise
+    return queues
+
+
+async def _final(q: asyncio.Queue[RequestOutput]) -> RequestOutput:
+    while True:
+        out = await q.get()
+        if out.finished:
+            return out
+
+
+async def collect(
+    async_engine: AsyncEngine,
+    request: Request,
+    request_id: str,
+    runs: list[ChoiceRun],
+    queues: list[asyncio.Queue[RequestOutput]],
+) -> list[RequestOutput] | None:
+    """Wait for every choice to finish; None (and every choice aborted) if the client disconnects."""
+    gathered = asyncio.gather(*(_final(q) for q in queues))
+    while True:
+        done, _ = await asyncio.wait({gathered}, timeout=0.2)
+        if done:
+            return gathered.result()
+        if await request.is_disconnected():
+            gathered.cancel()
+            for run in runs:
+                async_engine.abort(run.request_id(request_id))
+            return None

@@ -1,0 +1,102 @@
+"""Prometheus metrics, labelled by adapter name and revision (`base` for the base model).
+
+Each server owns its own registry, so several servers in one process (tests) never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from loraplex.engine.engine import Engine
+from loraplex.server.async_engine import StepObserver
+from loraplex.types import AdapterRef, RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ADAPTER_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32, 64, 128)
+
+
+def _labels(adapter: AdapterRef | None) -> tuple[str, str]:
+    return ("base", "") if adapter is None else (adapter.name, adapter.revision[:12])
+
+
+class ServerMetrics(StepObserver):
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        by_adapter = ["adapter", "revision"]
+        r = self.registry
+        self.requests = Counter("loraplex_requests", "Requests admitted", by_adapter, registry=r)
+        self.finished = Counter(
+            "loraplex_requests_finished", "Requests finished", [*by_adapter, "reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "loraplex_prompt_tokens", "Prompt tokens admitted", by_adapter, registry=r
+        )
+        self.generation_tokens = Counter(
+            "loraplex_generation_tokens", "Tokens generated", by_adapter, registry=r
+        )
+        self.ttft = Histogram(
+            "loraplex_time_to_first_token_seconds",
+            "Admission to first token",
+            by_adapter,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "loraplex_time_per_output_token_seconds",
+            "Mean time between output tokens of a request",
+            by_adapter,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("loraplex_requests_running", "Requests being computed", registry=r)
+        self.waiting = Gauge("loraplex_requests_waiting", "Requests waiting for admission", registry=r)
+        self.kv_usage = Gauge("loraplex_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.step_adapters = Histogram(
+            "loraplex_step_distinct_adapters",
+            "Distinct adapter revisions per engine step",
+            buckets=_ADAPTER_BUCKETS,
+            registry=r,
+        )
+        self.max_step_adapters = Gauge(
+            "loraplex_step_distinct_adapters_max",
+            "Most distinct adapter revisions seen in one step",
+            registry=r,
+        )
+        self.steps = Counter("loraplex_engine_steps", "Engine steps run", registry=r)
+        self.preemptions = Counter("loraplex_preemptions", "Sequences preempted for KV space", registry=r)
+        self._max_adapters = 0
+
+    # --- StepObserver (called on the engine thread) ---------------------------------------------
+
+    def on_admitted(self, out: RequestOutput) -> None:
+        labels = _labels(out.adapter)
+        self.requests.labels(*labels).inc()
+        self.prompt_tokens.labels(*labels).inc(len(out.prompt_token_ids))
+
+    def on_first_token(self, adapter: AdapterRef | None, seconds: float) -> None:
+        self.ttft.labels(*_labels(adapter)).observe(seconds)
+
+    def on_finished(self, out: RequestOutput, seconds_per_output_token: float | None) -> None:
+        labels = _labels(out.adapter)
+        self.finished.labels(*labels, out.finish_reason or "unknown").inc()
+        self.generation_tokens.labels(*labels).inc(len(out.token_ids))
+        if seconds_per_output_token is not None:
+            self.tpot.labels(*labels).observe(seconds_per_output_token)
+
+    def on_step(self, engine: Engine) -> None:
+        stats = engine.last_stats
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(len(engine.scheduler.waiting))
+        self.kv_usage.set(engine.pool.num_used / engine.pool.num_blocks)
+        if stats is None:
+            return
+        self.steps.inc()
+        self.step_adapters.observe(stats.num_lora_segments)
+        if stats.num_lora_segments > self._max_adapters:
+            self._max_adapters = stats.num_lora_segments
+            self.max_step_adapters.set(stats.num_lora_segments)
+        if stats.preempted:
+            self.preemptions.inc(len(stats.preempted))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
