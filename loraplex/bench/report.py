@@ -123,10 +123,10 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
-def write_report(report: dict, out_dir: Path) -> None:
+def write_report(report: dict, out_dir: Path, plot_png: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "kernels.json").write_text(json.dumps(report, indent=1))
     md = markdown(report)
-    if not plot(report, out_dir / "kernels.png"):
+    if plot_png and not plot(report, out_dir / "kernels.png"):
         md += "\n(no plot: matplotlib is not installed)\n"
     (out_dir / "kernels.md").write_text(md)

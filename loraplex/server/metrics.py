@@ -5,11 +5,20 @@ Each server owns its own registry, so several servers in one process (tests) nev
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from loraplex.engine.engine import Engine
 from loraplex.server.async_engine import StepObserver
 from loraplex.types import AdapterRef, RequestOutput
+
+disable_created_metrics()  # the *_created series only add noise to every counter
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ADAPTER_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32, 64, 128)

@@ -45,6 +45,8 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(APIError(400, "malformed JSON body").body(), status_code=400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed body')}"
         return JSONResponse(APIError(400, message, param=where or None).body(), status_code=400)
