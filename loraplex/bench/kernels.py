@@ -43,9 +43,10 @@ MAX_ADAPTERS = 64
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode": DECODE,
-    "decode n_chunk=1024": with_overrides(DECODE, n_chunk=1024),
+    "decode n_chunk=256": with_overrides(DECODE, n_chunk=256),
+    "decode max_split=4": with_overrides(DECODE, max_split=4),
+    "decode block_k=64": with_overrides(DECODE, block_k=64),
     "prefill": PREFILL,
-    "prefill m=32": with_overrides(PREFILL, block_m=32),
 }
 TILING_CASES = (
     TARGET_DECODE,

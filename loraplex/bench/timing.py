@@ -16,16 +16,18 @@ class GpuTimer:
         self.device = device
         self.reps = reps
         self.warmup = warmup
-        self._flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        self._flush = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
 
     def median_ms(self, fn: Callable[[], object]) -> float:
-        """Median of `reps` event-timed runs of fn, each after writing a buffer larger than L2."""
+        """Median of `reps` event-timed runs of fn, each after reading a buffer larger than L2."""
         for _ in range(self.warmup):
             fn()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         for s, e in zip(starts, ends, strict=True):
-            self._flush.zero_()
+            # Read, not write: a written flush leaves L2 full of dirty lines whose write-back
+            # would be charged to the timed kernel.
+            self._flush.max()
             s.record()
             fn()
             e.record()

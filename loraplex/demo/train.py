@@ -16,7 +16,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -57,7 +57,7 @@ class Schedule:
     base_lr: float = 2e-3
     adapter_lr: float = 3e-3
     warmup: int = 200
-    eval_every: int = 1000
+    eval_every: int = 500
     eval_n: int = 96  # held-out inputs per task for the progress checks
     final_eval_n: int = 1000  # held-out inputs per model for the final table
 
@@ -197,7 +197,10 @@ def train_loop(
         running += loss.item()
         if step % 100 == 0 or step == steps:
             n = 100 if step % 100 == 0 else step % 100
-            print(f"[{label}] step {step}/{steps} loss {running / n:.4f} ({time.time() - start:.0f}s)", flush=True)
+            print(
+                f"[{label}] step {step}/{steps} loss {running / n:.4f} ({time.time() - start:.0f}s)",
+                flush=True,
+            )
             running = 0.0
         if step % schedule.eval_every == 0 or step == steps:
             accs = " ".join(f"{k} {100 * v:.1f}%" for k, v in check().items())
@@ -289,13 +292,21 @@ def final_table(base, adapters: dict[str, object], n: int, seed: int) -> dict[st
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loraplex.demo.train", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="writes OUT/model and OUT/adapters/<task>")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="writes OUT/model and OUT/adapters/<task>"
+    )
     parser.add_argument("--quick", action="store_true", help="a few hundred steps: checks the pipeline only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--base-steps", type=int, help="override the schedule's pretraining steps")
+    parser.add_argument("--adapter-steps", type=int, help="override the schedule's steps per adapter")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     schedule = QUICK if args.quick else Schedule()
+    if args.base_steps is not None:
+        schedule = replace(schedule, base_steps=args.base_steps)
+    if args.adapter_steps is not None:
+        schedule = replace(schedule, adapter_steps=args.adapter_steps)
     print(f"schedule: {json.dumps(asdict(schedule))}", flush=True)
     start = time.time()
 
@@ -306,9 +317,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     adapters: dict[str, object] = {}
     for i, spec in enumerate(ADAPTERS):
-
         model = train_adapter(copy.deepcopy(base), spec, schedule, args.seed + 100 * (i + 1))
         model.save_pretrained(str(args.out / "adapters" / spec.task))
+        (args.out / "adapters" / spec.task / "README.md").unlink(missing_ok=True)  # PEFT's blank model card
         adapters[spec.task] = model
     train_seconds = time.time() - start
 

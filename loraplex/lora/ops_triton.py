@@ -60,12 +60,15 @@ class TritonLoRABackend:
     def total_calls(self) -> int:
         return sum(self.calls.values())
 
-    def device_table(self, device: torch.device) -> LoRADeviceTable:
+    def device_table(self, device: torch.device | str) -> LoRADeviceTable:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one table
+            device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._tables:
             self._tables[device] = LoRADeviceTable(device)
         return self._tables[device]
 
-    def prepare(self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device) -> None:
+    def prepare(self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device | str) -> None:
         """Refresh the device tables and the per-step info outside the timed/captured region.
 
         `apply` does this on its own; calling it first keeps host-to-device copies out of a

@@ -86,18 +86,12 @@ def lora_shrink_kernel(
     rc = tl.program_id(0) % R_CHUNKS  # fastest-varying: programs sharing an X tile run together
     split = tl.program_id(1)
     seg = pid // row_tiles
+    # Latency, not bandwidth, bounds a decode step's small programs: issue every metadata load
+    # that does not depend on another before the first branch, so the chain before the weight
+    # loads is two round trips (segment + slot, then table + rows), not four.
     seg_lo = tl.load(seg_offsets_ptr + seg)
     seg_hi = tl.load(seg_offsets_ptr + seg + 1)
-    m0 = seg_lo + (pid % row_tiles) * BLOCK_M
-    if m0 >= seg_hi:  # shorter segments leave tail tiles empty (also: zero-length padding segments)
-        return
     slot = tl.load(seg_slots_ptr + seg)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_hi
-    rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
-    offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
-    x_rows = x_ptr + rows[:, None] * stride_xm
-
     a0, r0 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 0, RANK_ALIGNED, W_ALIGN)
     acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     r_max = r0 if SLICE_MASK & 1 else 0
@@ -111,8 +105,16 @@ def lora_shrink_kernel(
         acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
         if SLICE_MASK & 4:
             r_max = tl.maximum(r_max, r2)
+    m0 = seg_lo + (pid % row_tiles) * BLOCK_M
+    if m0 >= seg_hi:  # shorter segments leave tail tiles empty (also: zero-length padding segments)
+        return
     if rc * BLOCK_RC >= r_max:  # past this adapter's rank in every slice: nothing to read or write
         return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_hi
+    rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
+    offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
+    x_rows = x_ptr + rows[:, None] * stride_xm
 
     k_lo = split * K_CHUNK
     # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).
@@ -174,9 +176,22 @@ def lora_expand_kernel(
     if ((SLICE_MASK >> i) & 1) == 0:
         return
     seg = pid // row_tiles
-    seg_lo = tl.load(seg_offsets_ptr + seg)
+    seg_lo = tl.load(seg_offsets_ptr + seg)  # as in the shrink: independent loads first
     seg_hi = tl.load(seg_offsets_ptr + seg + 1)
+    slot = tl.load(seg_slots_ptr + seg)
+    b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
+    scale = tl.load(scale_tab + i * n_slots + slot)
     m0 = seg_lo + (pid % row_tiles) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_hi
+    rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
+    offs_r = tl.arange(0, BLOCK_R)
+    # h = sum over K splits of the shrink partials, loaded in one unrolled burst (no wait on the
+    # rank: columns past it, which the shrink may not have written, are zeroed after the load).
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in tl.static_range(N_SPLIT):
+        base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
+        h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0)
     if m0 >= seg_hi:
         return
     col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
@@ -188,25 +203,11 @@ def lora_expand_kernel(
     width = col_hi - col_lo
     if n_lo >= width:  # narrower slices (k, v next to q) have fewer chunks
         return
-    slot = tl.load(seg_slots_ptr + seg)
-    b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
     if rank == 0:  # this segment's adapter does not adapt this slice
         return
-    scale = tl.load(scale_tab + i * n_slots + slot)
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_hi
-    rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
-    offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-
-    # h = sum over K splits of the shrink partials; scale folded in before the low-precision dot
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    hmask = m_mask[:, None] & r_mask[None, :]
-    for s in range(N_SPLIT):
-        base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
-        h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=hmask, other=0.0)
-    h = (h * scale).to(y_ptr.dtype.element_ty)
+    # scale folded in before the low-precision dot
+    h = (tl.where(r_mask[None, :], h, 0.0) * scale).to(y_ptr.dtype.element_ty)
 
     y_rows = y_ptr + rows[:, None] * stride_ym + col_lo
     for nn in range(0, N_CHUNK, BLOCK_N):

@@ -58,6 +58,7 @@ class LoRADeviceTable:
         self.dims: dict[tuple[int, str], tuple[int, int]] = {}  # (layer, target) -> (d_in, d_out)
         self._keep: list[torch.Tensor] = []  # holds every tensor whose address is in the tables
         self._a = self._b = self._r = self._s = torch.empty(0)
+        self._views: dict[tuple[int, str], GroupTables] = {}  # slicing costs microseconds per call
 
     def sync(self, table: LoRASlotTable) -> None:
         """Rebuild when the slot table changed since the last call; otherwise free."""
@@ -113,9 +114,14 @@ class LoRADeviceTable:
         self._a, self._b = a.to(self.device), b.to(self.device)
         self._r, self._s = r.to(self.device), s.to(self.device)
         self._keep = keep
+        self._views = {}
         self.slot_coverage, self.slot_max_rank, self.dims = coverage, max_rank, dims
 
     def group(self, layer: int, group: str) -> GroupTables:
-        lo = layer * len(TARGETS) + _TARGET_INDEX[GROUP_SLICES[group][0]]
-        hi = lo + len(GROUP_SLICES[group])  # a group's slices are adjacent in TARGETS
-        return GroupTables(self._a[lo:hi], self._b[lo:hi], self._r[lo:hi], self._s[lo:hi])
+        views = self._views.get((layer, group))
+        if views is None:
+            lo = layer * len(TARGETS) + _TARGET_INDEX[GROUP_SLICES[group][0]]
+            hi = lo + len(GROUP_SLICES[group])  # a group's slices are adjacent in TARGETS
+            views = GroupTables(self._a[lo:hi], self._b[lo:hi], self._r[lo:hi], self._s[lo:hi])
+            self._views[(layer, group)] = views
+        return views
