@@ -184,7 +184,10 @@ class AsyncEngine:
 
 
 def _aborted(engine: Engine, request_id: str) -> RequestOutput:
-    out = engine.output(request_id)
+    try:
+        out = engine.output(request_id)
+    except KeyError:  # the engine lost it while crashing: report an empty aborted output
+        out = RequestOutput(request_id=request_id, prompt_token_ids=[], adapter=None)
     out.finished = True
     out.finish_reason = out.finish_reason or "abort"
     return out
