@@ -58,6 +58,7 @@ class AdapterRegistry:
         self._latest: dict[str, str] = {}
         self._holds: Counter[AdapterRef] = Counter()
         self._next_slot = 0
+        self._slot_of_revision: dict[str, int] = {}
 
     # --- registration -------------------------------------------------------------------------
 
@@ -73,10 +74,14 @@ class AdapterRegistry:
         revision = adapter_revision(imported)
         revisions = self._revisions.setdefault(name, {})
         if revision not in revisions:
-            slot = self._next_slot
-            self._next_slot += 1
-            weights = imported.weights.to(self.device, self.dtype)
-            self.table.set(slot, weights)
+            # Identical content under another name shares one slot: the revision is the identity.
+            slot = self._slot_of_revision.get(revision)
+            if slot is None:
+                slot = self._next_slot
+                self._next_slot += 1
+                self.table.set(slot, imported.weights.to(self.device, self.dtype))
+                self._slot_of_revision[revision] = slot
+            weights = self.table.weights(slot)
             revisions[revision] = RegisteredRevision(
                 AdapterRef(name, revision), slot, weights.max_rank, weights.nbytes, imported.manifest
             )

@@ -235,3 +235,14 @@ def test_new_revision_does_not_touch_requests_in_flight(env: dict) -> None:
     for x, y in zip(got.logprobs, want.logprobs, strict=True):  # batch neighbours differ: 1e-5
         assert x.keys() == y.keys() and all(abs(x[k] - y[k]) <= 1e-5 for k in x)
     assert engine.output("after").adapter == v2
+
+
+def test_identical_content_under_two_names_shares_one_slot(env: dict) -> None:
+    llm = LLM(env["model_dir"])
+    a = llm.register_adapter("alpha", env["good"])
+    b = llm.register_adapter("beta", env["good"])
+    assert a.revision == b.revision and a.name != b.name
+    assert len(llm.engine.lora_table) == 1
+    out_a, out_b = llm.generate([PROMPT, PROMPT], GREEDY, adapters=["alpha", "beta"])
+    assert out_a.adapter == a and out_b.adapter == b
+    assert out_a.token_ids == out_b.token_ids
