@@ -14,11 +14,12 @@ $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton
 t0=$(date +%s)
 if [ -z "${SKIP_TESTS:-}" ]; then
 # tests/server needs openai + uvicorn, which the device image lacks; it has no GPU tests.
-$PY -m pytest -m gpu -p no:cacheprovider --ignore=tests/server -rs 2>&1 | tee "$OUT/pytest-gpu.log"
+# (time limits: a kernel that hangs must not eat the device call)
+timeout "${TEST_TIMEOUT:-330}" $PY -m pytest -m gpu -p no:cacheprovider --ignore=tests/server -rs 2>&1 | tee "$OUT/pytest-gpu.log"
 fi
 touch "$OUT/pytest-gpu.log"
 t1=$(date +%s)
-$PY -m loraplex.bench.cli kernels --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-300}" $PY -m loraplex.bench.cli kernels --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
 t2=$(date +%s)
 
 echo

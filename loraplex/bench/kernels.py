@@ -42,14 +42,18 @@ DTYPE = torch.bfloat16
 MAX_ADAPTERS = 64
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
-    "decode": DECODE,
-    "decode n_chunk=256": with_overrides(DECODE, n_chunk=256),
-    "decode max_split=4": with_overrides(DECODE, max_split=4),
-    "decode block_k=64": with_overrides(DECODE, block_k=64),
+    "decode": DECODE,  # one launch per group (fused) for rank tiles <= 16, programmatic dependent launch
+    "decode no-pdl": with_overrides(DECODE, pdl=False),
+    "decode pdl-early": with_overrides(DECODE, pdl_early=True),
+    "decode stages=4": with_overrides(DECODE, fused_stages=4),
+    "decode fused any rank": with_overrides(DECODE, fused_max_rank=64),
+    "decode two-launch": with_overrides(DECODE, fused=False),
     "prefill": PREFILL,
 }
 TILING_CASES = (
     TARGET_DECODE,
+    TARGET_MIXED,
+    KernelCase("decode", 1, 1, "16"),  # the fixed cost per layer
     KernelCase("decode", 256, 8, "16"),  # 32 rows per adapter: the cut-over region
     TARGET_PREFILL,
 )
@@ -203,7 +207,11 @@ def run(out_dir: Path, quick: bool = False, reps: int = 40, warmup: int = 5, swe
     }
     first = quick_cases()  # the target cases first, so a cut-short run still has them
     for case in first if quick else first + [c for c in all_cases() if c not in first]:
-        res = bench.run_case(case)
+        try:
+            res = bench.run_case(case)
+        except Exception as e:  # report it and go on: the other cases and the sweep still run
+            print(f"{case.label}: {type(e).__name__}: {e}", flush=True)
+            continue
         _add_ratios(res, copy_bw, mm_rate, bench.base_gemm(case.rows))
         lay = res["layers"][LAYER]
         print(f"{case.label:28s} layer {lay['eager_us']:8.1f} us eager {lay['graph_us']:8.1f} us graph "
@@ -214,13 +222,20 @@ def run(out_dir: Path, quick: bool = False, reps: int = 40, warmup: int = 5, swe
     if sweep:
         for case in TILING_CASES:
             for name, tiling in TILING_VARIANTS.items():
-                lay = bench.run_case(case, tiling, groups=False)["layers"][LAYER]
+                if case.phase == "prefill" and name not in ("decode", "prefill"):
+                    continue  # the decode variants differ only where the fused path applies
+                try:
+                    lay = bench.run_case(case, tiling, groups=False)["layers"][LAYER]
+                except Exception as e:  # one broken variant must not cost the rest of the sweep
+                    print(f"tiling {name} on {case.label}: {type(e).__name__}: {e}", flush=True)
+                    continue
                 row = {
                     "case": case.label,
                     "tiling": name,
                     "eager_us": lay["eager_us"],
                     "graph_us": lay["graph_us"],
                 }
+                print(f"  tiling {case.label:26s} {name:24s} graph {row['graph_us']:8.1f} us", flush=True)
                 report["tiling"].append(row)
     write_report(report, out_dir)
     return report

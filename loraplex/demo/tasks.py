@@ -46,15 +46,22 @@ def is_held_out(text: str) -> bool:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 10 == 0
 
 
-def random_text(rng: random.Random, length: int) -> str:
-    return "".join(rng.choice(ALPHABET) for _ in range(length))
+def random_text(rng: random.Random, length: int, alphabet: str = ALPHABET) -> str:
+    return "".join(rng.choice(alphabet) for _ in range(length))
 
 
-def sample_train_text(rng: random.Random, length: int) -> str:
-    while True:
-        text = random_text(rng, length)
+def sample_train_text(rng: random.Random, length: int, repeat_rate: float = 0.0) -> str:
+    """A random string outside the held-out bucket. With probability `repeat_rate` its characters
+    come from a random 2-5 character subset: runs and repeats are where a model that finds
+    positions by content slips, and uniform strings have too few of them."""
+    alphabet = ALPHABET
+    if rng.random() < repeat_rate:
+        alphabet = "".join(rng.sample(ALPHABET, rng.randint(2, 5)))
+    for attempt in range(1000):
+        text = random_text(rng, length, alphabet if attempt < 100 else ALPHABET)
         if not is_held_out(text):
             return text
+    raise AssertionError("a tenth of strings is held out; 1000 draws cannot all land there")
 
 
 def held_out_inputs(n: int, seed: int = 1234) -> list[str]:

@@ -51,14 +51,16 @@ ADAPTERS = (
 
 @dataclass(frozen=True)
 class Schedule:
-    base_steps: int = 6000
-    adapter_steps: int = 400
-    batch_size: int = 128
+    base_steps: int = 8000
+    base_batch: int = 64
     base_lr: float = 2e-3
+    adapter_steps: int = 800
+    adapter_batch: int = 64
     adapter_lr: float = 3e-3
     warmup: int = 200
-    eval_every: int = 500
-    eval_n: int = 96  # held-out inputs per task for the progress checks
+    repeat_rate: float = 0.25  # share of training strings drawn from a 2-5 character subset
+    eval_every: int = 1000
+    eval_n: int = 64  # held-out inputs per task for the progress checks
     final_eval_n: int = 1000  # held-out inputs per model for the final table
 
 
@@ -91,16 +93,15 @@ def model_config():  # noqa: ANN201 (transformers.LlamaConfig)
 # ---------------------------------------------------------------- data
 
 
-def encode(text: str) -> list[int]:
-    # The char tokenizer maps printable ASCII c to ord(c) - 28; tokenizing here keeps that exact.
-    return _TOKENIZER.encode(text)
-
-
 _TOKENIZER = build_char_tokenizer()
 
 
+def encode(text: str) -> list[int]:
+    return _TOKENIZER.encode(text)  # one id per character, no BOS: exactly what the engine sends
+
+
 def make_batch(
-    rng: random.Random, mixture: dict[str, float], batch_size: int, tagged: bool
+    rng: random.Random, mixture: dict[str, float], batch_size: int, tagged: bool, repeat_rate: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch of a single input length (no padding beyond the optional 2-token tag). Labels
     are -100 on the prompt: only the answer and EOS are learnt."""
@@ -108,7 +109,7 @@ def make_batch(
     names = list(mixture)
     rows: list[tuple[list[int], int]] = []
     for task in rng.choices(names, weights=[mixture[t] for t in names], k=batch_size):
-        text = tasks.sample_train_text(rng, length)
+        text = tasks.sample_train_text(rng, length, repeat_rate)
         prompt = encode(tasks.make_prompt(text, task if tagged else None))
         answer = encode(tasks.TASKS[task](text)) + [EOS_ID]
         rows.append((prompt + answer, len(prompt)))
@@ -128,6 +129,7 @@ def make_batch(
 @torch.no_grad()
 def greedy(model, prompts: Sequence[str], max_new: int = tasks.MAX_LEN + 1) -> list[str]:  # noqa: ANN001
     """Greedy completions (text before EOS). Prompts are grouped by length so no row is padded."""
+    was_training = model.training
     model.eval()
     by_len: dict[int, list[int]] = {}
     encoded = [encode(p) for p in prompts]
@@ -147,7 +149,7 @@ def greedy(model, prompts: Sequence[str], max_new: int = tasks.MAX_LEN + 1) -> l
         for row, i in zip(gen.tolist(), idxs, strict=True):
             tokens = row[: row.index(EOS_ID)] if EOS_ID in row else row
             out[i] = _TOKENIZER.decode(tokens, skip_special_tokens=True)
-    model.train()
+    model.train(was_training)
     return out
 
 
@@ -173,6 +175,7 @@ def _lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 def train_loop(
     model,  # noqa: ANN001
     steps: int,
+    batch_size: int,
     lr: float,
     schedule: Schedule,
     rng: random.Random,
@@ -188,7 +191,7 @@ def train_loop(
     for step in range(1, steps + 1):
         for group in opt.param_groups:
             group["lr"] = _lr_at(step - 1, steps, lr, min(schedule.warmup, steps // 5))
-        input_ids, labels = make_batch(rng, mixture, schedule.batch_size, tagged)
+        input_ids, labels = make_batch(rng, mixture, batch_size, tagged, schedule.repeat_rate)
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -216,6 +219,7 @@ def pretrain_base(schedule: Schedule, seed: int):  # noqa: ANN201 (LlamaForCausa
     train_loop(
         model,
         schedule.base_steps,
+        schedule.base_batch,
         schedule.base_lr,
         schedule,
         random.Random(seed),
@@ -239,6 +243,7 @@ def train_adapter(base, spec: AdapterSpec, schedule: Schedule, seed: int):  # no
     train_loop(
         model,
         schedule.adapter_steps,
+        schedule.adapter_batch,
         schedule.adapter_lr,
         schedule,
         random.Random(seed),
@@ -278,11 +283,11 @@ CHAT_TEMPLATE = (
     "{%- else -%}{%- set ns.text = m['content'] | selectattr('type', 'equalto', 'text')"
     " | map(attribute='text') | join('') -%}{%- endif -%}"
     "{%- endif -%}{%- endfor -%}"
-    "{{ ns.text }}{%- if add_generation_prompt -%}=" + "{%- endif -%}"
+    "{{ ns.text }}{%- if add_generation_prompt -%}={%- endif -%}"
 )
 
 
-def final_table(base, adapters: dict[str, object], n: int, seed: int) -> dict[str, tasks.TaskScore]:  # noqa: ANN001
+def final_table(base, adapters: dict, n: int, seed: int) -> dict[str, tasks.TaskScore]:  # noqa: ANN001
     inputs = tasks.held_out_inputs(n, seed=seed)
     scores = {"base": tasks.evaluate(lambda p: greedy(base, p), "copy", inputs)}
     for name, model in adapters.items():

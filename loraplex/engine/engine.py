@@ -30,6 +30,9 @@ from loraplex.model.loader import load_model
 from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import AdapterRef, RequestOutput, SamplingParams
 
+# Steps between checks of the LoRA backend's device-side fault counter (a host sync on CUDA).
+_HEALTH_CHECK_EVERY = 256
+
 
 @dataclass(frozen=True)
 class RequestDelta:
@@ -75,6 +78,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.last_stats: StepStats | None = None
+        self._steps = 0
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -154,6 +158,9 @@ class Engine:
         if not plan.chunks:
             self.last_stats = None
             return []
+        self._steps += 1
+        if self._steps % _HEALTH_CHECK_EVERY == 0:
+            self.lora_backend.check_health()
         calls_before = self.lora_backend.total_calls
         result = self.runner.run(plan)
         deltas = self._postprocess(plan, result)

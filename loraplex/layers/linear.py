@@ -34,6 +34,11 @@ class LoRABackend(Protocol):
         slice_offsets: Sequence[int],
     ) -> None: ...
 
+    @property
+    def total_calls(self) -> int: ...
+
+    def check_health(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class LoRAStep:

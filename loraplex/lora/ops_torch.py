@@ -97,6 +97,9 @@ class TorchLoRABackend:
     def total_calls(self) -> int:
         return sum(self.calls.values())
 
+    def check_health(self) -> None:
+        """Nothing can go wrong asynchronously on this path."""
+
     def apply(
         self,
         y: torch.Tensor,

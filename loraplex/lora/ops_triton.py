@@ -1,9 +1,11 @@
-"""Triton LoRA backend: the `TorchLoRABackend.apply` contract in two launches per group.
+"""Triton LoRA backend: the `TorchLoRABackend.apply` contract in one or two launches per group.
 
-Per call (one decoder layer's qkv, o, gate_up or down): one shrink launch writes
-H = X_a A_a^T for every segment and slice, one expand launch adds s_a H B_a^T into the base
-output. Nothing is launched when the step has no LoRA rows or no adapter of the step adapts
-any slice of the group; a slice that no adapter of the step adapts is compiled out.
+Per call (one decoder layer's qkv, o, gate_up or down): a shrink step writes H = X_a A_a^T for
+every segment and slice, an expand step adds s_a H B_a^T into the base output. Decode-shaped
+calls whose fused grid fits on the GPU at once run both in one launch (`lora_fused_kernel`, see
+`_launch_fused`); the others run a shrink launch, then an expand launch. Nothing is launched
+when the step has no LoRA rows or no adapter of the step adapts any slice of the group; a slice
+that no adapter of the step adapts is compiled out.
 
 triton is imported when the backend is constructed, never by `import loraplex.lora`.
 """
@@ -18,8 +20,16 @@ import torch
 
 from loraplex.lora.layout import GROUP_SLICES
 from loraplex.lora.metadata import LoRABatchMetadata
-from loraplex.lora.triton_config import LoRATiling, block_r_for, pick_tiling, split_k
-from loraplex.lora.triton_table import LoRADeviceTable, target_bit
+from loraplex.lora.triton_config import (
+    FusedPlan,
+    LoRATiling,
+    block_r_for,
+    blocks_per_sm,
+    pick_tiling,
+    plan_fused,
+    split_k,
+)
+from loraplex.lora.triton_table import GroupTables, LoRADeviceTable, target_bit
 from loraplex.lora.weights import LoRASlotTable
 
 
@@ -30,6 +40,12 @@ class _StepInfo:
     coverage: int  # OR of target bits over the step's slots
     block_r: int
     max_seg_rows: int
+
+
+# Row tiles a fused call may have: the size of the per-device arrival counter buffer, one counter
+# per 128-byte line (the kernels' CNT_STRIDE).
+MAX_FUSED_TILES = 4096
+COUNTER_STRIDE = 32
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -55,15 +71,31 @@ class TritonLoRABackend:
         self._step_meta: LoRABatchMetadata | None = None
         self._step_version = -1
         self._step: _StepInfo | None = None
+        self._counters: dict[torch.device, torch.Tensor] = {}  # fused path: arrival counters, kept zeroed
+        self._plans: dict[tuple, FusedPlan | None] = {}  # fused grid per call shape (None: two launches)
 
     @property
     def total_calls(self) -> int:
         return sum(self.calls.values())
 
-    def device_table(self, device: torch.device | str) -> LoRADeviceTable:
+    def check_health(self) -> None:
+        """Raise if a fused expand program ever gave up waiting for its shrink programs (an
+        invariant broke, and that step's LoRA output was wrong). Reads a device counter: a sync,
+        so the engine calls it every few hundred steps, not every step."""
+        for device, counters in self._counters.items():
+            faults = int(counters[MAX_FUSED_TILES * COUNTER_STRIDE :].sum())
+            if faults:
+                raise RuntimeError(f"LoRA fused kernel on {device}: {faults} expand programs timed out")
+
+    @staticmethod
+    def _table_key(device: torch.device | str) -> torch.device:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one table
             device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    def device_table(self, device: torch.device | str) -> LoRADeviceTable:
+        device = self._table_key(device)
         if device not in self._tables:
             self._tables[device] = LoRADeviceTable(device)
         return self._tables[device]
@@ -136,13 +168,21 @@ class TritonLoRABackend:
         rank_aligned = dev.rank_aligned
         w_align = 16 // dev.base.element_size()
 
-        # h: [n_split, n_slices, R, BLOCK_R] float32; every block the expand reads is written first
-        h_shape = (split.n_split, n_slices, num_rows, step.block_r)
-        h = torch.empty(h_shape, dtype=torch.float32, device=x.device)
-        if self.poison_scratch:
-            h.fill_(float("nan"))
         k = self._k
         r_chunks = step.block_r // min(step.block_r, tiling.shrink_block_r)
+        tiles = n_segs * row_tiles
+        if (
+            tiling.fused
+            and step.block_r <= tiling.fused_max_rank
+            and self._launch_fused(
+                y, x, meta, dev, tabs, tiling, step, tiles, r_chunks, slice_mask, slice_offsets, cols
+            )
+        ):
+            self.calls[group] += 1
+            return
+
+        # h: [n_split, n_slices, R, BLOCK_R] float32; every block the expand reads is written first
+        h = self._scratch((split.n_split, n_slices, num_rows, step.block_r), x.device)
         k.lora_shrink_kernel[k.shrink_grid(n_segs * r_chunks, row_tiles, split.n_split)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             dev.n_slots, d_in, x.stride(0), num_rows, row_tiles,
@@ -161,6 +201,113 @@ class TritonLoRABackend:
             num_warps=tiling.expand_warps, num_stages=tiling.expand_stages,
         )  # fmt: skip
         self.calls[group] += 1
+
+    def _scratch(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        h = torch.empty(shape, dtype=torch.float32, device=device)
+        if self.poison_scratch:
+            h.fill_(float("nan"))
+        return h
+
+    def _launch_fused(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        meta: LoRABatchMetadata,
+        dev: LoRADeviceTable,
+        tabs: GroupTables,
+        tiling: LoRATiling,
+        step: _StepInfo,
+        tiles: int,
+        r_chunks: int,
+        slice_mask: int,
+        slice_offsets: Sequence[int],
+        cols: list[int],
+    ) -> bool:
+        """One launch for the whole call when the fused grid fits on the GPU at once; False
+        (nothing launched) otherwise, and the caller takes the two-launch path.
+
+        On CUDA the plan must fit the compiled kernel's occupancy: every program resident at
+        once, so no spinning expand program ever waits for a shrink program that has no room to
+        start. The first call of a shape compiles the kernel for the plan, reads its registers and
+        shared memory, and re-plans (at most twice) with the programs per SM that really fit; the
+        outcome is cached per shape.
+        """
+        n_slices = len(slice_offsets) - 1
+        d_in = x.shape[1]
+        widths = tuple(
+            slice_offsets[i + 1] - slice_offsets[i] if slice_mask >> i & 1 else 0 for i in range(n_slices)
+        )
+        key = (tiling, tiles, r_chunks, d_in, widths, step.block_r, x.device, x.dtype)
+        if key in self._plans and self._plans[key] is None:
+            return False
+        plan = self._plans.get(key)
+        first = plan is None
+        sms = self._num_sms(x.device)
+        if first:
+            if tiles > MAX_FUSED_TILES:
+                self._plans[key] = None
+                return False
+            plan = plan_fused(tiling, tiles, r_chunks, d_in, widths, step.block_r, sms)
+        if plan is None:
+            self._plans[key] = None
+            return False
+        if x.device not in self._counters:
+            # zeroed once; each fused launch leaves it zeroed (a row tile's last program resets it)
+            # (one more element at the end: the count of expand programs that gave up waiting)
+            n = (MAX_FUSED_TILES + 1) * COUNTER_STRIDE
+            self._counters[x.device] = torch.zeros(n, dtype=torch.int32, device=x.device)
+        counters = self._counters[x.device]
+        h = self._scratch((plan.split.n_split, n_slices, meta.num_lora_rows, step.block_r), x.device)
+        cuda = x.device.type == "cuda"
+        use_pdl = (2 if tiling.pdl_early else 1) if tiling.pdl and cuda else 0
+
+        def args(p: FusedPlan) -> tuple[tuple, dict]:
+            ch = p.chunks
+            pos = (
+                y, x, dev.base, h, counters, counters[MAX_FUSED_TILES * COUNTER_STRIDE :], meta.row_perm,
+                meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.b_offs, tabs.ranks, tabs.scales,
+                dev.n_slots, d_in, x.stride(0), y.stride(0), meta.num_lora_rows, tiles // meta.num_segments,
+                p.n_shrink, *cols, ch[0], ch[0] + ch[1], sum(ch),
+            )  # fmt: skip
+            kw = dict(
+                N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=dev.rank_aligned,
+                W_ALIGN=16 // dev.base.element_size(), COLS_ALIGNED=all(c % 8 == 0 for c in cols),
+                BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r,
+                BLOCK_RC=step.block_r // r_chunks, K_CHUNK=p.split.k_chunk, N_SPLIT=p.split.n_split,
+                BLOCK_N=p.block_n, N_SUB=p.n_sub, USE_PDL=use_pdl,
+                num_warps=tiling.fused_warps, num_stages=tiling.fused_stages,
+            )  # fmt: skip
+            if use_pdl:
+                kw["launch_pdl"] = True
+            return pos, kw
+
+        kernel = self._k.lora_fused_kernel
+        if first and cuda:
+            fits, per_sm = False, tiling.fused_per_sm
+            for _ in range(3):  # the program's resources depend a little on the plan's tile counts
+                pos, kw = args(plan)
+                occ = self._programs_per_sm(kernel.warmup(*pos, grid=(plan.programs,), **kw), x.device)
+                fits = plan.programs <= occ * sms
+                per_sm = min(per_sm - 1, occ) if not fits else per_sm
+                if fits or per_sm < 1:
+                    break
+                plan = plan_fused(tiling, tiles, r_chunks, d_in, widths, step.block_r, sms, per_sm)
+                if plan is None:
+                    break
+            if not fits:
+                self._plans[key] = None
+                return False
+        self._plans[key] = plan
+        pos, kw = args(plan)
+        kernel[(plan.programs,)](*pos, **kw)
+        return True
+
+    @staticmethod
+    def _programs_per_sm(compiled: object, device: torch.device) -> int:
+        ck = compiled.result() if hasattr(compiled, "result") else compiled
+        ck._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        return blocks_per_sm(ck.n_regs, ck.metadata.shared, ck.metadata.num_warps, props)
 
     @staticmethod
     def _check(

@@ -28,9 +28,26 @@ class LoRATiling:
     expand_warps: int
     expand_stages: int
     max_split: int  # shrink: most K chunks per row tile
+    # One launch per call (shrink and expand programs in one grid, see `plan_fused`) when the
+    # grid fits on the GPU at once; otherwise the two-launch path above.
+    fused: bool = False
+    fused_max_rank: int = 16  # fused only when the step's rank tile is at most this (see docs/kernels.md)
+    fused_max_split: int = 16  # K chunks per row tile in the fused grid
+    fused_block_n: int = 256  # expand: columns per tile (fewer for large rank tiles: fused_tile_elems)
+    fused_tile_elems: int = 4096  # expand: most elements of one B tile (block_r x block_n)
+    fused_per_sm: int = 6  # fused grid budget: programs per SM (checked against the compiled kernel)
+    fused_max_sub: int = 64  # expand: most tiles per program
+    fused_warps: int = 4
+    fused_stages: int = 3
+    # Programmatic dependent launch: a fused call may start (metadata and weight loads) while the
+    # kernel before it finishes; activations, h and counters are touched only after it has.
+    pdl: bool = False
+    # the next call may start once all of this one's programs have started (else: once all are
+    # past their waits, i.e. only the expand tail is left)
+    pdl_early: bool = False
 
 
-DECODE = LoRATiling("decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16)
+DECODE = LoRATiling("decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True)
 PREFILL = LoRATiling("prefill", 64, 64, 16, 128, 256, 4, 3, 4, 3, 4)
 TILINGS = {t.name: t for t in (DECODE, PREFILL)}
 
@@ -61,6 +78,71 @@ def split_k(tiling: LoRATiling, d_in: int, programs: int, num_sms: int) -> Shrin
     return ShrinkSplit(-(-d_in // chunk), chunk)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """Launch shape of the one-launch path: n_shrink shrink programs (row tile x K split x rank
+    chunk), then per row tile sum(chunks) expand programs of block_n * n_sub columns each."""
+
+    split: ShrinkSplit
+    block_n: int
+    n_sub: int
+    chunks: tuple[int, int, int]  # expand programs per row tile for slice 0, 1, 2 (0: none)
+    n_shrink: int
+    n_expand: int
+
+    @property
+    def programs(self) -> int:
+        return self.n_shrink + self.n_expand
+
+
+def plan_fused(
+    tiling: LoRATiling,
+    tiles: int,
+    r_chunks: int,
+    d_in: int,
+    widths: tuple[int, ...],
+    block_r: int,
+    num_sms: int,
+    per_sm: int | None = None,
+) -> FusedPlan | None:
+    """Fused grid for `tiles` row tiles, or None when it would not fit in num_sms * per_sm programs.
+
+    widths: the output width of each slice that some adapter of the step adapts (0 for the others).
+    Expand programs take whole slices' columns in equal chunks; the tiles per program (n_sub) grow
+    until the grid fits, and each program's later tiles are pipelined by the compiler.
+    """
+    if not tiling.fused:
+        return None
+    budget = num_sms * (per_sm if per_sm is not None else tiling.fused_per_sm)
+    # The grid is shared in proportion to the bytes each side streams (A: d_in per adapted slice,
+    # B: the slices' widths; the rank cancels), so shrink and expand programs carry similar loads.
+    # K is split as finely as the shrink share allows (any count, not only powers of two),
+    # keeping each chunk at least two K steps long.
+    a_cols = d_in * sum(1 for w in widths if w)
+    share = min(0.8, max(0.2, a_cols / (a_cols + sum(widths))))
+    want = int(budget * share) // max(tiles * r_chunks, 1)
+    block_n = max(16, min(tiling.fused_block_n, tiling.fused_tile_elems // block_r))
+    n_tiles = [_cdiv(w, block_n) for w in widths]
+    # fewer K chunks when the expand programs would not fit otherwise
+    for n_split in range(max(1, min(want, tiling.fused_max_split, d_in // (2 * tiling.block_k))), 0, -1):
+        chunk = _cdiv(_cdiv(d_in, n_split), tiling.block_k) * tiling.block_k
+        split = ShrinkSplit(_cdiv(d_in, chunk), chunk)
+        n_shrink = tiles * r_chunks * split.n_split
+        for n_sub in range(1, tiling.fused_max_sub + 1):
+            chunks = [_cdiv(t, n_sub) for t in n_tiles]
+            n_expand = tiles * sum(chunks)
+            if n_shrink + n_expand <= budget:
+                # the fewest tiles per program that keeps these chunk counts (even chunks)
+                n_sub = max((_cdiv(t, c) for t, c in zip(n_tiles, chunks, strict=True) if c), default=1)
+                padded = (chunks + [0, 0, 0])[:3]
+                return FusedPlan(split, block_n, n_sub, (padded[0], padded[1], padded[2]), n_shrink, n_expand)
+    return None
+
+
 def with_overrides(tiling: LoRATiling, **kw: int) -> LoRATiling:
     return replace(tiling, **kw)
 
@@ -71,3 +153,20 @@ def block_r_for(max_rank: int) -> int:
     while r < max_rank:
         r *= 2
     return r
+
+
+def blocks_per_sm(regs_per_thread: int, shared_bytes: int, num_warps: int, props: object) -> int:
+    """Programs of one kernel that fit on one SM at once, from its compiled resource use.
+
+    props: `torch.cuda.get_device_properties` (Hopper defaults where an attribute is missing).
+    Registers go to warps in units of 256; each program's shared memory carries 1 KiB reserved by
+    the system. A conservative count: the fused path needs every program resident.
+    """
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    regs_warp = -(-max(regs_per_thread, 1) * 32 // 256) * 256
+    by_regs = (regs_sm // regs_warp) // num_warps
+    by_smem = smem_sm // (shared_bytes + 1024)
+    by_threads = threads_sm // (32 * num_warps)
+    return max(0, min(by_regs, by_smem, by_threads, 32))

@@ -1,4 +1,5 @@
-"""Triton kernels of the segmented LoRA op: shrink (H = X_a A_a^T) and expand (Y += s_a H B_a^T).
+"""Triton kernels of the segmented LoRA op: shrink (H = X_a A_a^T) and expand (Y += s_a H B_a^T),
+as two launches or as one (`lora_fused_kernel`: shrink and expand programs in one grid).
 
 Imported only by `ops_triton` (lazily), so `import loraplex.lora` works without triton.
 
@@ -7,7 +8,7 @@ own A [r, d_in] and B [d_out, r] (row-major, 16-byte aligned; see `triton_table`
 table says how many rows of A / columns of B exist. BLOCK_R is only the register tile: loads past
 an adapter's rank are masked off, so they move no bytes.
 
-Both kernels take the group's slices (q/k/v or gate/up) in one launch. SLICE_MASK (constexpr)
+Every kernel takes the group's slices (q/k/v or gate/up) in one launch. SLICE_MASK (constexpr)
 drops slices that no adapter of the step targets at compile time, so they cost nothing.
 """
 
@@ -223,6 +224,226 @@ def lora_expand_kernel(
         tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + delta).to(yt.dtype), mask=y_mask)
 
 
+# Polls of a row tile's arrival counter before an expand program gives up (about a second): a
+# broken invariant then shows as an error count and wrong output instead of a hung GPU.
+MAX_SPINS: tl.constexpr = tl.constexpr(1 << 20)
+# One arrival counter per 128-byte line, so that the hundreds of programs polling and bumping
+# counters of different row tiles do not share a line (measured: no change at the decode target).
+CNT_STRIDE: tl.constexpr = tl.constexpr(32)
+
+
+@triton.jit
+def _fused_shrink_part(
+    pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab,
+    n_slots, d_in, stride_xm, num_rows, row_tiles,
+    N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
+    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
+    R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
+    rc = pid % R_CHUNKS
+    split = (pid // R_CHUNKS) % N_SPLIT
+    tile = pid // (R_CHUNKS * N_SPLIT)
+    seg = tile // row_tiles
+    seg_lo = tl.load(seg_offsets_ptr + seg)
+    seg_hi = tl.load(seg_offsets_ptr + seg + 1)
+    slot = tl.load(seg_slots_ptr + seg)
+    a0, r0 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 0, RANK_ALIGNED, W_ALIGN)
+    r_max = r0 if SLICE_MASK & 1 else 0
+    a1, r1 = a0, r0
+    a2, r2 = a0, r0
+    if N_SLICES > 1:
+        a1, r1 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 1, RANK_ALIGNED, W_ALIGN)
+        if SLICE_MASK & 2:
+            r_max = tl.maximum(r_max, r1)
+    if N_SLICES > 2:
+        a2, r2 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 2, RANK_ALIGNED, W_ALIGN)
+        if SLICE_MASK & 4:
+            r_max = tl.maximum(r_max, r2)
+    m0 = seg_lo + (tile % row_tiles) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_hi
+    rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
+    offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
+    if USE_PDL:
+        # Everything above reads only metadata and weights; X, h and the counters may still be in
+        # use by the kernel this one overlaps, so they wait for it to finish.
+        tl.extra.cuda.gdc_wait()
+    # An idle program (past its segment's rows or its adapter's rank) still arrives below.
+    if (m0 < seg_hi) & (rc * BLOCK_RC < r_max):
+        acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
+        x_rows = x_ptr + rows[:, None] * stride_xm
+        k_lo = split * K_CHUNK
+        for kk in range(0, K_CHUNK, BLOCK_K):
+            offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < d_in
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if SLICE_MASK & 1:
+                acc0 = _shrink_acc(acc0, xt, a0, r0, d_in, offs_r, offs_k, k_mask)
+            if N_SLICES > 1 and SLICE_MASK & 2:
+                acc1 = _shrink_acc(acc1, xt, a1, r1, d_in, offs_r, offs_k, k_mask)
+            if N_SLICES > 2 and SLICE_MASK & 4:
+                acc2 = _shrink_acc(acc2, xt, a2, r2, d_in, offs_r, offs_k, k_mask)
+        if SLICE_MASK & 1:
+            _shrink_store(h_ptr, acc0, split * N_SLICES, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+        if N_SLICES > 1 and SLICE_MASK & 2:
+            _shrink_store(h_ptr, acc1, split * N_SLICES + 1, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+        if N_SLICES > 2 and SLICE_MASK & 4:
+            _shrink_store(h_ptr, acc2, split * N_SLICES + 2, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+    # Publish: every thread's h stores are ordered before the (single-thread) release increment.
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr + tile * CNT_STRIDE, 1, sem="release", scope="gpu")
+    if USE_PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _fused_expand_part(
+    e, y_ptr, w_base, h_ptr, cnt_ptr, err_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab,
+    rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
+    N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
+    N_SPLIT: tl.constexpr, ARRIVALS: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # e -> (row tile, column chunk); chunks of all adapted slices are numbered consecutively
+    # (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2: [ch2, n_chunks)), so none is idle by design.
+    tile = e // n_chunks
+    c = e % n_chunks
+    i = (c >= ch1).to(tl.int32) + (c >= ch2).to(tl.int32)
+    chunk = c - tl.where(i == 0, 0, tl.where(i == 1, ch1, ch2))
+    seg = tile // row_tiles
+    seg_lo = tl.load(seg_offsets_ptr + seg)
+    seg_hi = tl.load(seg_offsets_ptr + seg + 1)
+    slot = tl.load(seg_slots_ptr + seg)
+    b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
+    scale = tl.load(scale_tab + i * n_slots + slot)
+    m0 = seg_lo + (tile % row_tiles) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_hi
+    rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
+    col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
+    col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, col3))
+    if COLS_ALIGNED:
+        col_lo = tl.multiple_of(col_lo, 8)
+        col_hi = tl.multiple_of(col_hi, 8)
+    width = col_hi - col_lo
+    n_lo = chunk * (BLOCK_N * N_SUB)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    # B does not depend on the shrink: its first tile is in flight while the shrink programs run.
+    offs_n = n_lo + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < width
+    bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
+                 other=0.0)  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # y, h and the counters belong to the kernel before until it is done
+    y_rows = y_ptr + rows[:, None] * stride_ym + col_lo
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    yt = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
+    # Wait until every shrink program of this row tile has arrived (they precede every expand
+    # program in launch order and never wait themselves, so they always finish).
+    cnt = cnt_ptr + tile * CNT_STRIDE
+    seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < ARRIVALS) & (spins < MAX_SPINS):
+        seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < ARRIVALS:  # never expected: give up rather than hang the GPU, and say so
+        tl.atomic_add(err_ptr, 1, sem="relaxed", scope="gpu")
+    # Count this program out; the last of the tile resets the counter for the next launch.
+    if tl.atomic_add(cnt, 1, sem="relaxed", scope="gpu") == ARRIVALS + n_chunks - 1:
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    if USE_PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()  # only the expand tail is left: the next call may start
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in tl.static_range(N_SPLIT):
+        base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
+        h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0,
+                     cache_modifier=".cg")  # fmt: skip
+    if (m0 < seg_hi) & (rank > 0):
+        hs = (tl.where(r_mask[None, :], h, 0.0) * scale).to(y_ptr.dtype.element_ty)
+        tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + tl.dot(hs, bt)).to(yt.dtype), mask=y_mask)
+        # The rest of the chunk: a compile-time trip count, so the compiler pipelines these loads.
+        for nn in range(BLOCK_N, BLOCK_N * N_SUB, BLOCK_N):
+            offs_n = n_lo + nn + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < width
+            y_mask = m_mask[:, None] & n_mask[None, :]
+            yt = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
+            b_mask = r_mask[:, None] & n_mask[None, :]
+            bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=b_mask, other=0.0)
+            tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + tl.dot(hs, bt)).to(yt.dtype), mask=y_mask)
+
+
+@triton.jit
+def lora_fused_kernel(
+    y_ptr,  # y: [T, d_out_total], updated in place
+    x_ptr,  # x: [T, d_in]
+    w_base,
+    h_ptr,  # h: [N_SPLIT, N_SLICES, R, BLOCK_R] float32 partial sums, shrink -> expand
+    cnt_ptr,  # int32 [>= S * row_tiles * CNT_STRIDE], zero between launches (the kernel leaves it so)
+    err_ptr,  # int32 [1]: incremented by an expand program that gave up waiting (never expected)
+    row_perm_ptr,
+    seg_offsets_ptr,
+    seg_slots_ptr,
+    a_tab,
+    b_tab,
+    rank_tab,
+    scale_tab,
+    n_slots,
+    d_in,
+    stride_xm,
+    stride_ym,
+    num_rows,
+    row_tiles,
+    n_shrink,  # programs [0, n_shrink) shrink, the rest expand
+    col0,
+    col1,
+    col2,
+    col3,
+    ch1,  # first expand chunk of slice 1 / slice 2; n_chunks: chunks per row tile
+    ch2,
+    n_chunks,
+    N_SLICES: tl.constexpr,
+    SLICE_MASK: tl.constexpr,
+    RANK_ALIGNED: tl.constexpr,
+    W_ALIGN: tl.constexpr,
+    COLS_ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_RC: tl.constexpr,
+    K_CHUNK: tl.constexpr,
+    N_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_SUB: tl.constexpr,  # expand: BLOCK_N-column tiles per program
+    USE_PDL: tl.constexpr,  # 0: off; 1: next call may start once all programs are past their wait; 2: at once
+):
+    # grid: (n_shrink + S * row_tiles * n_chunks,). Shrink and expand in one launch: the expand
+    # programs of a row tile spin on its arrival counter until its N_SPLIT * R_CHUNKS shrink
+    # programs have stored their partial h. Deadlock-free as long as the shrink programs, which
+    # come first, get scheduled: the host only takes this path for grids that fit on the GPU at
+    # once (`triton_config.plan_fused` and the occupancy check in `ops_triton`).
+    pid = tl.program_id(0)
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()  # the next call's prologue may start once all are in
+    if pid < n_shrink:
+        _fused_shrink_part(
+            pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
+            rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
+            W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, USE_PDL,
+        )  # fmt: skip
+    else:
+        _fused_expand_part(
+            pid - n_shrink, y_ptr, w_base, h_ptr, cnt_ptr, err_ptr, row_perm_ptr, seg_offsets_ptr,
+            seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1,
+            col2, col3, ch1, ch2, n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N,
+            BLOCK_R, N_SUB, N_SPLIT, N_SPLIT * (BLOCK_R // BLOCK_RC), USE_PDL,
+        )  # fmt: skip
+
+
 def shrink_grid(num_segments: int, row_tiles: int, n_split: int) -> tuple[int, int]:
     return (num_segments * row_tiles, n_split)
 
@@ -231,4 +452,11 @@ def expand_grid(num_segments: int, row_tiles: int, n_chunks: int, n_slices: int)
     return (num_segments * row_tiles, n_chunks, n_slices)
 
 
-__all__ = ["lora_expand_kernel", "lora_shrink_kernel", "shrink_grid", "expand_grid", "triton"]
+__all__ = [
+    "lora_expand_kernel",
+    "lora_fused_kernel",
+    "lora_shrink_kernel",
+    "shrink_grid",
+    "expand_grid",
+    "triton",
+]

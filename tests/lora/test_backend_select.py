@@ -9,7 +9,16 @@ import torch
 
 from loraplex.lora.backend import make_lora_backend
 from loraplex.lora.ops_torch import TorchLoRABackend
-from loraplex.lora.triton_config import DECODE, PREFILL, block_r_for, pick_tiling, split_k
+from loraplex.lora.triton_config import (
+    DECODE,
+    PREFILL,
+    block_r_for,
+    blocks_per_sm,
+    pick_tiling,
+    plan_fused,
+    split_k,
+    with_overrides,
+)
 
 
 def test_cpu_gets_the_torch_reference() -> None:
@@ -37,3 +46,39 @@ def test_tiling_choice_and_split() -> None:
     assert split_k(PREFILL, 4096, programs=512, num_sms=132).n_split == 1  # enough row tiles
     s = split_k(DECODE, 14336, programs=1, num_sms=132)
     assert s.n_split == DECODE.max_split and (s.n_split - 1) * s.k_chunk < 14336
+
+
+def test_fused_plan_fits_the_budget_and_covers_every_column() -> None:
+    llama = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+    for tiles, block_r in ((1, 16), (32, 16), (32, 64), (64, 16), (128, 32)):
+        r_chunks = block_r // DECODE.shrink_block_r
+        for d_in, widths in llama.values():
+            plan = plan_fused(DECODE, tiles, r_chunks, d_in, widths, block_r, num_sms=132)
+            assert plan is not None and plan.programs <= 132 * DECODE.fused_per_sm
+            assert plan.n_shrink == tiles * r_chunks * plan.split.n_split
+            n, k = plan.split.n_split, plan.split.k_chunk
+            assert n * k >= d_in > (n - 1) * k
+            assert plan.block_n * block_r <= DECODE.fused_tile_elems
+            cols = plan.block_n * plan.n_sub
+            for w, c in zip(widths, plan.chunks, strict=False):
+                assert c * cols >= w > (c - 1) * cols  # every column once, no idle program
+            assert plan.n_expand == tiles * sum(plan.chunks)
+    # a slice nobody adapts (width 0) gets no expand programs
+    plan = plan_fused(DECODE, 8, 1, 4096, (4096, 0, 1024), 16, num_sms=132)
+    assert plan is not None and plan.chunks[1] == 0
+    # no room: the two-launch path; not fused at all: likewise
+    assert plan_fused(DECODE, 64, 4, 4096, (4096,), 64, num_sms=4, per_sm=1) is None
+    assert plan_fused(with_overrides(DECODE, fused=False), 1, 1, 4096, (4096,), 16, num_sms=132) is None
+    assert plan_fused(PREFILL, 1, 1, 4096, (4096,), 16, num_sms=132) is None
+
+
+def test_blocks_per_sm_from_resources() -> None:
+    class Hopper:  # torch.cuda.get_device_properties fields used
+        regs_per_multiprocessor = 65536
+        shared_memory_per_multiprocessor = 233472
+        max_threads_per_multi_processor = 2048
+
+    assert blocks_per_sm(104, 32768, 4, Hopper()) == 4  # registers bound: 13 x 256 per warp
+    assert blocks_per_sm(64, 16384, 4, Hopper()) == 8  # registers bound
+    assert blocks_per_sm(32, 100_000, 4, Hopper()) == 2  # shared memory bound
+    assert blocks_per_sm(16, 0, 8, Hopper()) == 8  # threads bound

@@ -26,12 +26,29 @@ MID_SHAPES = {"qkv": (1024, (1024, 256, 256)), "o": (1024, (1024,)), "gate_up": 
               "down": (2816, (1024,))}  # fmt: skip
 
 
-def _backend():  # noqa: ANN202
+def _backend(tiling=None):  # noqa: ANN001, ANN202
     from loraplex.lora.ops_triton import TritonLoRABackend
 
-    be = TritonLoRABackend()
+    be = TritonLoRABackend(tiling)
     be.poison_scratch = True
     return be
+
+
+def _two_launch():  # noqa: ANN202
+    from loraplex.lora.triton_config import DECODE, with_overrides
+
+    return with_overrides(DECODE, fused=False)
+
+
+def _fused_any_rank(**kw):  # noqa: ANN003, ANN202
+    # the default takes the one-launch path for rank tiles up to 16 only; tests cover every rank
+    from loraplex.lora.triton_config import DECODE, with_overrides
+
+    return with_overrides(DECODE, fused_max_rank=64, **kw)
+
+
+def _counters_zero(be) -> bool:  # noqa: ANN001
+    return all(not c.any().item() for c in be._counters.values())
 
 
 def _check(be, slots: list[int], table, shapes, seed: int = 0) -> None:  # noqa: ANN001
@@ -54,6 +71,7 @@ def _check(be, slots: list[int], table, shapes, seed: int = 0) -> None:  # noqa:
         d_err = row_errors((y.float() - y0.float())[lora_rows], (y_ref - y0.float())[lora_rows])
         assert d_err.max().item() <= 2 * TOL, (group, d_err.max().item())
         assert torch.equal(y[base_rows], y0[base_rows]), group  # bit-identical
+        assert _counters_zero(be), group  # the fused kernel leaves its arrival counters zeroed
 
 
 @pytest.mark.parametrize("popularity", POPULARITIES)
@@ -79,9 +97,34 @@ def test_llama3_shapes_rows_1_to_8192(rows: int) -> None:
     _check(_backend(), slots, table, LLAMA3_8B_SHAPES)
 
 
-def test_segments_of_one_row_many_adapters() -> None:
+@pytest.mark.parametrize("fused", [True, False])
+def test_segments_of_one_row_many_adapters(fused: bool) -> None:
     table = make_table(random_ranks(64, (8, 16, 32, 64), seed=5), DTYPE, DEV, shapes=MID_SHAPES, seed=6)
-    _check(_backend(), list(range(64)), table, MID_SHAPES)
+    be = _backend(_fused_any_rank() if fused else _two_launch())
+    _check(be, list(range(64)), table, MID_SHAPES)
+    assert any(p is not None for p in be._plans.values()) == fused
+
+
+def test_decode_shapes_fused_plans_fit_and_two_launch_agree() -> None:
+    # Llama-3-8B decode, 64 rows over 32 adapters: every group takes the one-launch path, and the
+    # two-launch path on the same inputs gives the same result to bf16 rounding.
+    table = make_table([16] * 32, DTYPE, DEV, shapes=LLAMA3_8B_SHAPES, seed=9)
+    slots = spread(64, 32, seed=64)
+    meta = LoRABatchMetadata.build(slots, table, DEV)
+    fused, two = _backend(), _backend(_two_launch())
+    for group, (d_in, widths) in LLAMA3_8B_SHAPES.items():
+        offs = slice_offsets(widths)
+        x = torch.randn(64, d_in, device=DEV).to(DTYPE)
+        y0 = torch.randn(64, offs[-1], device=DEV).to(DTYPE)
+        ya, yb = y0.clone(), y0.clone()
+        fused.apply(ya, x, meta, table, 0, group, offs)
+        two.apply(yb, x, meta, table, 0, group, offs)
+        y_ref = reference(y0, x, meta, table, 0, group, offs)
+        assert row_errors(ya, y_ref).max().item() <= TOL and row_errors(yb, y_ref).max().item() <= TOL
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    plans = [p for p in fused._plans.values() if p is not None]
+    assert len(plans) == 4 and all(p.programs <= 32 * sms for p in plans)
+    assert _counters_zero(fused)
 
 
 def _kernel_launches(fn) -> int:  # noqa: ANN001
@@ -97,7 +140,7 @@ def _kernel_launches(fn) -> int:  # noqa: ANN001
 def test_launch_counts_with_profiler() -> None:
     from loraplex.lora.ops_triton import TritonLoRABackend
 
-    table = make_table([16, 32], DTYPE, DEV, shapes=SMALL_SHAPES, seed=7, targets=[("q", "v", "up"), ("k",)])
+    table = make_table([16, 8], DTYPE, DEV, shapes=SMALL_SHAPES, seed=7, targets=[("q", "v", "up"), ("k",)])
     be = TritonLoRABackend()
     meta = LoRABatchMetadata.build([0, 1, -1, 0, 1], table, DEV)
     ys = {g: torch.randn(5, sum(w), device=DEV, dtype=DTYPE) for g, (_, w) in SMALL_SHAPES.items()}
@@ -108,17 +151,28 @@ def test_launch_counts_with_profiler() -> None:
             be.apply(ys[g], xs[g], meta, table, 0, g, slice_offsets(widths))
 
     run(meta)  # compile, build the device tables
-    # qkv (three slices, one launch pair), gate_up (only up adapted): 2 launches each; o, down: none
-    assert _kernel_launches(lambda: run(meta)) == 4
+    # decode-shaped: qkv (three slices) and gate_up (only up adapted) one fused launch each; o, down: none
+    assert _kernel_launches(lambda: run(meta)) == 2
     empty = LoRABatchMetadata.build([-1, -1, -1, -1, -1], table, DEV)
     assert _kernel_launches(lambda: run(empty)) == 0
+    # prefill-shaped (a 40-row segment) and the two-launch path: at most two launches per group
+    long = LoRABatchMetadata.build([0] * 40 + [1, -1, 0, 1, 1], table, DEV)
+    ys.update({g: torch.randn(45, sum(w), device=DEV, dtype=DTYPE) for g, (_, w) in SMALL_SHAPES.items()})
+    xs.update({g: torch.randn(45, d, device=DEV, dtype=DTYPE) for g, (d, _) in SMALL_SHAPES.items()})
+    run(long)
+    assert _kernel_launches(lambda: run(long)) == 4
+    be.tiling = _two_launch()
+    run(meta)
+    assert _kernel_launches(lambda: run(meta)) == 4
 
 
-def test_cuda_graph_replay_follows_new_inputs() -> None:
+@pytest.mark.parametrize("pdl", [True, False])
+def test_cuda_graph_replay_follows_new_inputs(pdl: bool) -> None:
     from loraplex.lora.ops_triton import TritonLoRABackend
+    from loraplex.lora.triton_config import DECODE, with_overrides
 
     table = make_table([8, 64, 16], DTYPE, DEV, shapes=MID_SHAPES, seed=8)
-    be = TritonLoRABackend()
+    be = TritonLoRABackend(with_overrides(DECODE, pdl=pdl, fused_max_rank=64))
     slots = [2, 0, -1, 1, 1, 2, 0]
     meta = LoRABatchMetadata.build(slots, table, DEV)
     d_in, widths = MID_SHAPES["qkv"]
@@ -139,3 +193,46 @@ def test_cuda_graph_replay_follows_new_inputs() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert row_errors(y, reference(y0, x, meta, table, 0, "qkv", offs)).max().item() <= TOL
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_cuda_graph_whole_layer_back_to_back(pdl: bool) -> None:
+    # the four groups' fused kernels back to back in one graph (with PDL each may start while the
+    # one before finishes), replayed with new x and y; counters must be zero after every replay
+    from loraplex.lora.ops_triton import TritonLoRABackend
+    from loraplex.lora.triton_config import DECODE, with_overrides
+
+    table = make_table(random_ranks(12, (8, 16, 32, 64), seed=20), DTYPE, DEV, shapes=MID_SHAPES, seed=21)
+    be = TritonLoRABackend(with_overrides(DECODE, pdl=pdl, fused_max_rank=64))
+    slots = adapter_choices(24, 12, "zipf:1.1", seed=22)
+    slots[3] = -1
+    meta = LoRABatchMetadata.build(slots, table, DEV)
+    offs = {g: slice_offsets(w) for g, (_, w) in MID_SHAPES.items()}
+    xs = {g: torch.randn(24, d, device=DEV, dtype=DTYPE) for g, (d, _) in MID_SHAPES.items()}
+    ys = {g: torch.randn(24, offs[g][-1], device=DEV, dtype=DTYPE) for g in MID_SHAPES}
+
+    def layer() -> None:
+        for g in MID_SHAPES:
+            be.apply(ys[g], xs[g], meta, table, 0, g, offs[g])
+
+    be.prepare(meta, table, DEV)
+    layer()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer()
+    assert all(p is not None for p in be._plans.values())
+    for seed in (3, 4, 5):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        y0 = {}
+        for grp in MID_SHAPES:
+            xs[grp].copy_(torch.randn(xs[grp].shape, generator=g, device=DEV))
+            y0[grp] = torch.randn(ys[grp].shape, generator=g, device=DEV).to(DTYPE)
+            ys[grp].copy_(y0[grp])
+        graph.replay()
+        torch.cuda.synchronize()
+        for grp in MID_SHAPES:
+            y_ref = reference(y0[grp], xs[grp], meta, table, 0, grp, offs[grp])
+            assert row_errors(ys[grp], y_ref).max().item() <= TOL, (seed, grp)
+            assert torch.equal(ys[grp][3], y0[grp][3])
+        assert _counters_zero(be)

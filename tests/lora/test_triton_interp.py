@@ -29,14 +29,24 @@ from loraplex.lora.weights import AdapterWeights, LoRAPair  # noqa: E402
 
 DTYPE = torch.float32  # the interpreter runs fp32/fp16 only
 # Split K even at these tiny sizes, so the partial-sum path is exercised too.
-SPLIT_DECODE = with_overrides(DECODE, block_k=16, max_split=4)
+SPLIT_DECODE = with_overrides(DECODE, block_k=16, max_split=4, fused=False)  # the two-launch path
 SMALL_PREFILL = with_overrides(PREFILL, block_m=16, block_k=16, block_n=32, n_chunk=64)
+# The one-launch path at small sizes: 16-column expand tiles, K split in up to 3 chunks of >= 32.
+FUSED_DECODE = with_overrides(
+    DECODE, block_k=16, fused_block_n=16, fused_tile_elems=256, fused_per_sm=64, fused_max_rank=64
+)
+CPU = torch.device("cpu")
 
 
-def _backend(tiling=None) -> TritonLoRABackend:  # noqa: ANN001
+def _backend(tiling=None, sms: int = 4) -> TritonLoRABackend:  # noqa: ANN001
     be = TritonLoRABackend(tiling)
     be.poison_scratch = True
+    be._sms[CPU] = sms  # the grid budget (programs per SM x SMs) the plans are made for
     return be
+
+
+def _fused_plans(be: TritonLoRABackend) -> list:
+    return [p for p in be._plans.values() if p is not None]
 
 
 def _check_all_groups(
@@ -60,6 +70,8 @@ def _check_all_groups(
         lora_rows = [i for i, s in enumerate(slots) if s != -1]
         assert row_errors(y[lora_rows], y_ref[lora_rows]).max() <= 1e-4, group
         assert torch.equal(y[base_rows], y0[base_rows]), group
+        for counters in be._counters.values():  # the fused kernel leaves its counters zeroed
+            assert not counters.any(), group
 
 
 @pytest.mark.parametrize("popularity", POPULARITIES)
@@ -155,3 +167,68 @@ def test_mixed_layers_use_each_layers_weights() -> None:
         y = y0.clone()
         be.apply(y, x, meta, table, layer, "gate_up", offs)
         assert row_errors(y, reference(y0, x, meta, table, layer, "gate_up", offs)).max() <= 1e-4
+
+
+# --- the one-launch (fused) path -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("popularity", POPULARITIES)
+def test_fused_popularity_mixed_ranks(popularity: str) -> None:
+    ranks = random_ranks(6, (8, 16, 32, 64), seed=11)
+    table = make_table(ranks, DTYPE, "cpu", seed=12)
+    slots = adapter_choices(14, len(ranks), popularity, seed=13)
+    slots[4] = -1
+    be = _backend(FUSED_DECODE, sms=8)
+    _check_all_groups(be, slots, table)
+    plans = _fused_plans(be)
+    assert len(plans) == 4 and any(p.split.n_split > 1 for p in plans)
+
+
+def test_fused_segments_of_one_row_and_tail_tiles() -> None:
+    # 9 adapters of one row each, plus one 20-row segment: two row tiles per segment, the second
+    # one empty for every short segment (its programs must still arrive and count out)
+    ranks = random_ranks(10, (8, 16, 32, 64), seed=14)
+    table = make_table(ranks, DTYPE, "cpu", seed=15)
+    slots = [0, 1, 2, -1, 3, 4, 5, 6, 7, 8] + [9] * 20 + [-1]
+    be = _backend(FUSED_DECODE, sms=16)
+    _check_all_groups(be, slots, table)
+    assert len(_fused_plans(be)) == 4
+
+
+def test_fused_tight_grid_takes_several_tiles_per_program() -> None:
+    table = make_table([16, 32, 8], DTYPE, "cpu", seed=16)
+    slots = [2, 0, 1, -1, 0, 2]
+    be = _backend(with_overrides(FUSED_DECODE, fused_per_sm=6), sms=4)  # 24 programs in all
+    _check_all_groups(be, slots, table)
+    plans = _fused_plans(be)
+    assert plans and all(p.programs <= 24 for p in plans) and any(p.n_sub > 1 for p in plans)
+
+
+def test_fused_partial_targets_and_repeated_calls() -> None:
+    # adapter 0 adapts q and up only, adapter 1 only v: compiled-out slices get no programs
+    table = make_table([16, 8], DTYPE, "cpu", seed=17, targets=[("q", "up"), ("v",)])
+    be = _backend(FUSED_DECODE, sms=8)
+    for seed in range(3):  # counters reset by each launch: later calls are as right as the first
+        _check_all_groups(be, [0, 1, 0, 1, -1], table, seed=seed, groups=("qkv", "gate_up"))
+    x = torch.randn(5, 64)
+    offs = slice_offsets(SMALL_SHAPES["qkv"][1])
+    y0 = torch.randn(5, offs[-1])
+    y = y0.clone()
+    meta = LoRABatchMetadata.build([0, 1, 0, 1, -1], table)
+    be.apply(y, x, meta, table, 0, "qkv", offs)
+    assert torch.equal(y[:, offs[1] : offs[2]], y0[:, offs[1] : offs[2]])  # k: nobody adapts it
+    (plan,) = [p for k, p in be._plans.items() if k[4] == (64, 0, 32)]
+    assert plan.chunks[1] == 0
+
+
+def test_fused_falls_back_to_two_launches_when_the_grid_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = make_table([16, 64], DTYPE, "cpu", seed=18)
+    be = _backend(with_overrides(FUSED_DECODE, fused_per_sm=1), sms=2)  # 2 programs: never enough
+
+    class Boom:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            raise AssertionError("fused kernel launched for a grid that does not fit")
+
+    monkeypatch.setattr(be._k, "lora_fused_kernel", Boom())
+    _check_all_groups(be, [0, 1, 1, -1, 0], table)
+    assert be._plans and not _fused_plans(be)
