@@ -9,6 +9,7 @@ adapter turns the same untagged prompt into its own task. During pretraining a o
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,31 +66,29 @@ def sample_train_text(rng: random.Random, length: int, repeat_rate: float = 0.0)
 
 
 def held_out_inputs(n: int, seed: int = 1234) -> list[str]:
-    """`n` distinct held-out strings, lengths cycling through 1..16 (short lengths run out of held-out
-    strings early and are then skipped), in a fixed order for a given seed."""
+    """`n` distinct held-out strings in a fixed order for a given seed, lengths cycling through
+    1..16; a short length whose held-out strings are used up is skipped from then on."""
     rng = random.Random(seed)
-    lengths = list(range(MIN_LEN, MAX_LEN + 1))
-    pools = {k: _held_out_of_length(k, rng) if k <= 3 else None for k in lengths}
+    # Lengths 1-3 have few strings (27, 729, 19683): draw those from a shuffled exhaustive list, so
+    # they are neither repeated nor searched for at random.
+    pools = {k: _held_out_of_length(k, rng) for k in range(MIN_LEN, 4)}
     out: list[str] = []
     seen: set[str] = set()
-    i = 0
-    while len(out) < n:
-        k = lengths[i % len(lengths)]
-        i += 1
-        pool = pools[k]
-        if pool is not None:  # short lengths: draw from the exhaustive list, without repeats
-            if not pool:
+    for k in itertools.cycle(range(MIN_LEN, MAX_LEN + 1)):
+        if len(out) == n:
+            return out
+        if k in pools:
+            if not pools[k]:
                 continue
-            text = pool.pop()
+            text = pools[k].pop()
         else:
             text = random_text(rng, k)
-            if not is_held_out(text):
-                i -= 1  # retry the same length
-                continue
+            while not is_held_out(text):
+                text = random_text(rng, k)
         if text not in seen:
             seen.add(text)
             out.append(text)
-    return out
+    raise AssertionError("unreachable")
 
 
 def _held_out_of_length(k: int, rng: random.Random) -> list[str]:
@@ -158,7 +157,7 @@ def format_table(scores: dict[str, TaskScore]) -> str:
     lines = [header, "|" + " --- |" * (len(TASKS) + 2)]
     for label, s in scores.items():
         cells = [
-            f"**{100 * s.accuracy:.1f}**" if t == s.task else f"{100 * s.confusion[t]:.1f}" for t in TASKS
+            f"**{100 * s.accuracy:.2f}**" if t == s.task else f"{100 * s.confusion[t]:.2f}" for t in TASKS
         ]
         lines.append(f"| {label} | {s.total} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

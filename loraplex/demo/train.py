@@ -269,8 +269,15 @@ def save_model(model, out: Path) -> None:  # noqa: ANN001
 def save_demo_tokenizer(out: Path) -> None:
     tok = build_char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
+    tok.model_max_length = model_config().max_position_embeddings
     # In tokenizer_config.json (not a separate .jinja file), where every loader looks.
     tok.save_pretrained(str(out), save_jinja_files=False)
+    # transformers 5 names the class TokenizersBackend, which 4.x cannot load; the older name
+    # loads in both.
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 # The last user message becomes the prompt and `=` is the generation prompt, so a chat request

@@ -11,8 +11,8 @@ import torch
 from loraplex import LLM, SamplingParams
 from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR, tasks
 
-N_ENGINE = 400  # held-out inputs per model in the engine batch (5 x 400 rows)
-N_PEFT = 48  # a smaller sample for the transformers + PEFT cross-check
+N_ENGINE = 600  # held-out inputs per model in the engine batch (5 x 600 rows)
+N_PEFT = 96  # a smaller sample for the transformers + PEFT cross-check
 MODELS: dict[str | None, str] = {None: "copy", **{name: name for name in DEMO_ADAPTERS}}
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 

@@ -105,9 +105,9 @@ def test_pinned_revision_and_n_choices(client: openai.OpenAI, server) -> None:  
         top_logprobs=3,
     )
     content = chat.choices[0].logprobs.content
-    assert "".join(c.token for c in content) == text.upper() + "" and all(
-        len(c.top_logprobs) == 3 for c in content
-    )
+    # the EOS token that ended the answer is a generated token too, with its own logprob
+    assert "".join(c.token for c in content) == text.upper() + "</s>"
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
 
 
 def test_many_concurrent_requests_each_get_their_own_task(client: openai.OpenAI, server) -> None:  # noqa: ANN001
