@@ -9,7 +9,8 @@ import torch
 from loraplex.engine.scheduler import StepPlan
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.layers.attention import AttentionMetadata
-from loraplex.layers.linear import LoRABackend, LoRAStep
+from loraplex.layers.linear import LoRAStep
+from loraplex.lora.backend import LoRABackend
 from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.weights import LoRASlotTable
 from loraplex.model.llama import LlamaFamilyModel

@@ -12,32 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.lora.backend import LoRABackend
 from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.weights import LoRASlotTable
-
-
-class LoRABackend(Protocol):
-    def apply(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        meta: LoRABatchMetadata,
-        table: LoRASlotTable,
-        layer: int,
-        group: str,
-        slice_offsets: Sequence[int],
-    ) -> None: ...
-
-    @property
-    def total_calls(self) -> int: ...
-
-    def check_health(self) -> None: ...
 
 
 @dataclass(frozen=True)

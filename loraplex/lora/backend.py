@@ -12,11 +12,15 @@ from loraplex.lora.ops_torch import TorchLoRABackend
 from loraplex.lora.weights import LoRASlotTable
 
 
-class LoRAOpBackend(Protocol):
+class LoRABackend(Protocol):
+    """The LoRA op as the model's linear layers call it (contract: `ops_torch.py`)."""
+
     name: str
 
     @property
     def total_calls(self) -> int: ...
+
+    def check_health(self) -> None: ...
 
     def apply(
         self,
@@ -30,7 +34,7 @@ class LoRAOpBackend(Protocol):
     ) -> None: ...
 
 
-def make_lora_backend(device: torch.device | str) -> LoRAOpBackend:
+def make_lora_backend(device: torch.device | str) -> LoRABackend:
     """Triton on CUDA (imported only here, so CPU-only installs never need it); torch otherwise."""
     if torch.device(device).type == "cuda":
         from loraplex.lora.ops_triton import TritonLoRABackend
