@@ -266,6 +266,20 @@ def save_model(model, out: Path) -> None:  # noqa: ANN001
     save_demo_tokenizer(out)
 
 
+def save_adapter(model, out: Path) -> None:  # noqa: ANN001 (PeftModel)
+    model.save_pretrained(str(out))
+    (out / "README.md").unlink(missing_ok=True)  # PEFT's blank model card
+    # PEFT writes target_modules from a set, in an order that changes between runs; sorted, a
+    # retrain writes byte-identical files.
+    sort_target_modules(out / "adapter_config.json")
+
+
+def sort_target_modules(path: Path) -> None:
+    config = json.loads(path.read_text())
+    config["target_modules"] = sorted(config["target_modules"])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def save_demo_tokenizer(out: Path) -> None:
     tok = build_char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
@@ -330,8 +344,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     adapters: dict[str, object] = {}
     for i, spec in enumerate(ADAPTERS):
         model = train_adapter(copy.deepcopy(base), spec, schedule, args.seed + 100 * (i + 1))
-        model.save_pretrained(str(args.out / "adapters" / spec.task))
-        (args.out / "adapters" / spec.task / "README.md").unlink(missing_ok=True)  # PEFT's blank model card
+        save_adapter(model, args.out / "adapters" / spec.task)
         adapters[spec.task] = model
     train_seconds = time.time() - start
 

@@ -55,7 +55,6 @@ class ModelRunner:
         row_slots: list[int] = []
         query_start = [0]
         context_lens: list[int] = []
-        kv_indices: list[torch.Tensor] = []
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
         prompt_rows: list[int] = []
@@ -83,18 +82,16 @@ class ModelRunner:
                 sample_chunks.append(ci)
             query_start.append(len(input_ids))
             context_lens.append(end)
-            pos_all = torch.arange(end)
-            blocks = torch.tensor(table, dtype=torch.int64)
-            kv_indices.append((blocks[pos_all // bs] * bs + pos_all % bs).to(self.device))
 
         dev = self.device
-        attn = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start=tuple(query_start),
-            context_lens=tuple(context_lens),
-            kv_indices=tuple(kv_indices),
-            block_tables=tuple(tuple(c.seq.block_ids) for c in plan.chunks),
+        attn = AttentionMetadata.build(
+            positions,
+            slots,
+            query_start,
+            context_lens,
+            [c.seq.block_ids for c in plan.chunks],
+            bs,
+            dev,
         )
         lora_meta = LoRABatchMetadata.build(row_slots, self.lora_table, dev)
         lora = LoRAStep(lora_meta, self.lora_table, self.lora_backend) if lora_meta.num_segments else None

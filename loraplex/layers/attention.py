@@ -1,8 +1,14 @@
-"""Causal attention over the paged KV cache (torch reference path; any mix of prefill chunks and
-decode rows in one step)."""
+"""Causal attention over the paged KV cache: any mix of prefill chunks (continuing a cached prefix)
+and decode rows in one step.
+
+`paged_attention` is the one entry point the model calls; `attention_backend(device)` is the one
+place that picks the implementation: the Triton kernels (`attention_triton.py`, imported only
+there) on CUDA, the torch reference `paged_attention_torch` elsewhere.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,18 +17,91 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Per step, shared by every layer. Rows of one sequence are contiguous, in position order."""
+    """Per step, shared by every layer. Rows of one sequence are contiguous, in position order.
+
+    The host tuples and `kv_indices` feed the torch reference; the device tensors after them feed
+    the GPU kernels (`None` where the builder was told not to make them). The rows of sequence i
+    sit at positions context_lens[i] - q_len .. context_lens[i] - 1 (q_len its query rows).
+    """
 
     positions: torch.Tensor  # [T] int64: absolute position of each row
     slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) per row
     query_start: tuple[int, ...]  # [S + 1] host: rows of sequence i are query_start[i]:query_start[i+1]
     context_lens: tuple[int, ...]  # [S] host: tokens in the cache for sequence i after this step
     kv_indices: tuple[torch.Tensor, ...]  # [S] of [context_len] int64: flat cache slots of positions 0..len-1
-    block_tables: tuple[tuple[int, ...], ...]  # [S] block ids per sequence (kernels on the GPU read these)
+    block_tables: tuple[tuple[int, ...], ...]  # [S] block ids per sequence (host)
+    block_table: torch.Tensor | None = None  # [S, max_blocks] int32, padded with block 0 (never read)
+    context_lens_t: torch.Tensor | None = None  # [S] int32
+    query_start_t: torch.Tensor | None = None  # [S + 1] int32
+    max_query_len: int = 0  # most query rows of one sequence in this step
+    max_context_len: int = 0
+    num_decode_seqs: int = 0  # sequences with exactly one query row (the decode kernel's work)
 
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
+
+    @classmethod
+    def build(
+        cls,
+        positions: Sequence[int],
+        slot_mapping: Sequence[int],
+        query_start: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str,
+        for_kernels: bool | None = None,
+    ) -> AttentionMetadata:
+        """From host lists: the kernels' tensors in one int32 host tensor moved once (when
+        `for_kernels`, by default where `attention_backend(device)` is "triton"), the reference's
+        `kv_indices` as views of one flat int64 tensor moved once (otherwise)."""
+        dev = torch.device(device)
+        if for_kernels is None:
+            for_kernels = attention_backend(dev) == "triton"
+        n = len(context_lens)
+        q_lens = [query_start[i + 1] - query_start[i] for i in range(n)]
+        kernel_fields: dict = {}
+        kv_indices: tuple[torch.Tensor, ...] = ()
+        if for_kernels:
+            width = max((len(t) for t in block_tables), default=0) or 1
+            flat: list[int] = []
+            for t in block_tables:
+                flat.extend(t)
+                flat.extend([0] * (width - len(t)))
+            packed = torch.tensor(flat + list(context_lens) + list(query_start), dtype=torch.int32)
+            packed = packed.to(dev, non_blocking=True)
+            kernel_fields = dict(
+                block_table=packed[: n * width].view(n, width),
+                context_lens_t=packed[n * width : n * width + n],
+                query_start_t=packed[n * width + n :],
+            )
+        else:
+            slots: list[int] = []
+            for t, length in zip(block_tables, context_lens, strict=True):
+                start = len(slots)
+                for b in t[: -(-length // block_size)]:
+                    slots.extend(range(b * block_size, (b + 1) * block_size))
+                del slots[start + length :]
+            flat_idx = torch.tensor(slots, dtype=torch.int64).to(dev)
+            kv_indices = tuple(flat_idx.split(list(context_lens)))
+        return cls(
+            positions=torch.tensor(list(positions), dtype=torch.int64).to(dev),
+            slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64).to(dev),
+            query_start=tuple(query_start),
+            context_lens=tuple(context_lens),
+            kv_indices=kv_indices,
+            block_tables=tuple(tuple(t) for t in block_tables),
+            max_query_len=max(q_lens, default=0),
+            max_context_len=max(context_lens, default=0),
+            num_decode_seqs=sum(1 for q in q_lens if q == 1),
+            **kernel_fields,
+        )
+
+
+def attention_backend(device: torch.device | str) -> str:
+    """Return "triton" on CUDA, "torch" elsewhere: the one place the attention implementation is chosen."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
 def paged_attention(
@@ -35,10 +114,32 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend each row to its sequence's cached prefix.
+    """Write this step's K/V into the cache, then attend each row to its sequence's cached prefix
+    (semantics: `paged_attention_torch`), on the implementation `attention_backend` picks."""
+    if attention_backend(q.device) == "triton":
+        from loraplex.layers.attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Reference: write this step's K/V into the cache, then attend each row to its sequence's
+    cached prefix.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [blocks, block_size, Hkv, D]. Returns [T, Hq, D].
-    Row t at position p sees cached positions j with j <= p (and j > p - sliding_window).
+    Semantics: row t at position p sees cached positions j with j <= p (and j > p - sliding_window);
+    for each sequence, out[rows] = softmax(scale * q k^T over those j) v, heads grouped GQA-style
+    (query head h reads kv head h // (Hq / Hkv)). Needs `meta.kv_indices`.
     """
     n_kv, head_dim = k.shape[1], k.shape[2]
     flat_k = k_cache.view(-1, n_kv, head_dim)

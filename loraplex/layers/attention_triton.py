@@ -1,0 +1,428 @@
+"""Paged attention on the GPU: the `paged_attention_torch` contract in Triton kernels.
+
+One step = one KV write launch, then a decode launch (sequences with one query row; split over
+the context when too few programs would fill the GPU, plus a combine launch) and/or a prefill
+launch (sequences with several query rows: flash-attention tiles, causal from the cached prefix
+on). Both read K/V through the padded block table `[S, max_blocks]` int32; nothing is gathered.
+
+Layout (`docs/attention.md`): cache `[num_blocks, block_size, Hkv, D]`; query head h reads kv head
+h // group. Scores, softmax state and the output accumulator are float32; P is cast to the cache
+dtype for the P·V product. Imported only by `attention.paged_attention` on CUDA (or by tests that
+run it under `TRITON_INTERPRET=1`), so the package imports without triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.layers.attention import AttentionMetadata
+
+# Running-max start: finite, so a tile with every key masked gives exp(-inf) = 0. A constexpr:
+# compiled kernels may read no other kind of module global.
+NEG_INIT = tl.constexpr(-1.0e30)
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # "no sliding window": wider than any context, so the window test always holds
+
+
+@dataclass(frozen=True)
+class AttentionTiling:
+    decode_block_n: int = 64  # keys per decode tile
+    prefill_block_m: int = 64  # query rows per prefill tile
+    prefill_block_n: int = 64  # keys per prefill tile
+    min_keys_per_split: int = 256  # decode split-K: no split smaller than this
+    programs_per_sm: int = 2  # decode split-K: split until S * Hkv * splits reaches this many per SM
+    max_splits: int = 32
+    num_warps: int = 4
+
+
+DEFAULT_TILING = AttentionTiling()
+
+
+def tiling_for(head_dim: int, base: AttentionTiling = DEFAULT_TILING) -> AttentionTiling:
+    """Halve the key tiles and double the warps for head_dim > 128 (register and shared-memory
+    pressure)."""
+    if head_dim > 128:
+        return replace(base, decode_block_n=32, prefill_block_n=32, num_warps=8)
+    return base
+
+
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so tests exercise split-K
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@triton.jit
+def kv_write_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache,
+    v_cache,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,  # cache stride of one slot (block * block_size + offset) in elements
+    stride_ch,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """Row t: k_cache/v_cache[slot[t]] = k/v[t] (all kv heads). Negative slots are skipped."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (h < HKV) & (d < D)
+    src_k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    src_v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache + slot * stride_cs + h * stride_ch + d, src_k, mask=mask)
+    tl.store(v_cache + slot * stride_cs + h * stride_ch + d, src_v, mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q,  # [M, D_PAD] in the input dtype
+    k_cache,
+    v_cache,
+    table_row,  # pointer to this sequence's block table row
+    kv_off,  # element offset of the kv head inside a slot
+    pos,  # [M] query positions (int32)
+    key0,  # first key of the tile
+    key_hi,  # keys >= key_hi are masked
+    window,  # keys j > pos - window only (NO_WINDOW when the layer has none)
+    m_i,
+    l_i,
+    acc,
+    qk_scale,  # scale * log2(e)
+    stride_cb,
+    stride_cs,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One key tile of the online softmax (base-2 exponent): returns the updated m, l, acc."""
+    j = key0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_PAD)
+    in_ctx = j < key_hi
+    blk = tl.load(table_row + j // BS, mask=in_ctx, other=0).to(tl.int64)
+    addr = blk * stride_cb + (j % BS).to(tl.int64) * stride_cs + kv_off
+    kv_mask = in_ctx[:, None] & (d[None, :] < D)
+    k = tl.load(k_cache + addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [M, BLOCK_N] float32
+    allowed = in_ctx[None, :] & (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - window)
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(v_cache + addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def decode_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    out_ptr,
+    part_acc,  # [S, Hq, SPLITS, D_PAD] float32 (SPLITS > 1 only)
+    part_ml,  # [S, Hq, SPLITS, 2] float32: running max (base 2) and sum
+    table_ptr,
+    ctx_ptr,
+    qstart_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    qk_scale,
+    window,
+    keys_per_split,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PREC: tl.constexpr,
+    FOR_LOOP: tl.constexpr,
+):
+    """Program (s, kv head, split): the GROUP query heads of one kv head of a one-row sequence, over
+    the split's keys; K/V of that kv head are read once for all its query heads."""
+    s_id = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(qstart_ptr + s_id)
+    if tl.load(qstart_ptr + s_id + 1) - row != 1:
+        return
+    ctx = tl.load(ctx_ptr + s_id)
+    p_last = ctx - 1
+    lo = tl.maximum(p_last - window + 1, 0)
+    k_lo = lo + split * keys_per_split
+    k_hi = tl.minimum(ctx, k_lo + keys_per_split)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kvh * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
+    row64 = row.to(tl.int64)
+    q = tl.load(q_ptr + row64 * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    pos = tl.zeros([G_PAD], dtype=tl.int32) + p_last
+    m_i = tl.zeros([G_PAD], dtype=tl.float32) + NEG_INIT
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    table_row = table_ptr + s_id.to(tl.int64) * stride_bt
+    if FOR_LOOP:  # GPU: a for loop over runtime bounds (software-pipelined by the compiler)
+        for key0 in range(k_lo, k_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache, v_cache, table_row, kvh * stride_ch, pos, key0, k_hi, window, m_i, l_i, acc,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC,
+            )  # fmt: skip
+    else:  # the interpreter (numpy >= 2.4 refuses a loaded scalar as a `range` bound): same tiles
+        key0 = k_lo
+        while key0 < k_hi:
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache, v_cache, table_row, kvh * stride_ch, pos, key0, k_hi, window, m_i, l_i, acc,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC,
+            )  # fmt: skip
+            key0 += BLOCK_N
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + row64 * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        base = (s_id.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split  # [G_PAD]
+        tl.store(part_acc + base[:, None] * D_PAD + d[None, :], acc, mask=g[:, None] < GROUP)
+        tl.store(part_ml + base * 2, m_i, mask=g < GROUP)
+        tl.store(part_ml + base * 2 + 1, l_i, mask=g < GROUP)
+
+
+@triton.jit
+def decode_combine_kernel(
+    out_ptr,
+    part_acc,
+    part_ml,
+    qstart_ptr,
+    stride_ot,
+    stride_oh,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """Program (s, q head): merge the SPLITS partial softmax states of a one-row sequence."""
+    s_id = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(qstart_ptr + s_id)
+    if tl.load(qstart_ptr + s_id + 1) - row != 1:
+        return
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, D_PAD)
+    base = (s_id.to(tl.int64) * HQ + h) * SPLITS + sp
+    m = tl.load(part_ml + base * 2)
+    l_part = tl.load(part_ml + base * 2 + 1)
+    m_all = tl.max(m, axis=0)
+    w = tl.exp2(m - m_all)  # a split with no keys has m = NEG_INIT, l = 0: weight 0
+    acc = tl.load(part_acc + base[:, None] * D_PAD + d[None, :])
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_part * w, axis=0)
+    tl.store(
+        out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < D
+    )
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    out_ptr,
+    table_ptr,
+    ctx_ptr,
+    qstart_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    qk_scale,
+    window,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+    FOR_LOOP: tl.constexpr,
+):
+    """Program (s, query tile, q head) of a sequence with >= 2 query rows: rows at positions
+    ctx - q_len + r attend keys j <= position (and > position - window), cached prefix included;
+    key tiles wholly past the tile's last row (or before its window) are never visited."""
+    s_id = tl.program_id(0)
+    tile = tl.program_id(1)
+    h = tl.program_id(2)
+    q0 = tl.load(qstart_ptr + s_id)
+    q_len = tl.load(qstart_ptr + s_id + 1) - q0
+    r0 = tile * BLOCK_M
+    if (q_len < 2) | (r0 >= q_len):
+        return
+    ctx = tl.load(ctx_ptr + s_id)
+    first = ctx - q_len
+    r = r0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_PAD)
+    row_ok = r < q_len
+    pos = first + r
+    rows = (q0 + r).to(tl.int64)
+    io_mask = row_ok[:, None] & (d[None, :] < D)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=io_mask, other=0.0)
+    k_hi = tl.minimum(ctx, first + tl.minimum(q_len, r0 + BLOCK_M))
+    k_lo = tl.maximum(first + r0 - window + 1, 0)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_INIT
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    table_row = table_ptr + s_id.to(tl.int64) * stride_bt
+    kv_off = (h // GROUP) * stride_ch
+    if FOR_LOOP:  # GPU: a for loop over runtime bounds (software-pipelined by the compiler)
+        for key0 in range(k_lo, k_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC,
+            )  # fmt: skip
+    else:  # the interpreter (numpy >= 2.4 refuses a loaded scalar as a `range` bound): same tiles
+        key0 = k_lo
+        while key0 < k_hi:
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC,
+            )  # fmt: skip
+            key0 += BLOCK_N
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+):
+    """k_cache.view(-1, Hkv, D)[slots] = k (and v), in one launch for both."""
+    t, n_kv, head_dim = k.shape
+    if t == 0:
+        return
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride() == v_cache.stride()
+    kv_write_kernel[(t,)](
+        k, v, k_cache, v_cache, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2),
+        HKV=n_kv, D=head_dim, H_PAD=triton.next_power_of_2(n_kv), D_PAD=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def decode_splits(num_seqs: int, n_kv: int, keys: int, sms: int, tiling: AttentionTiling) -> int:
+    """Split-K factor (a power of two) for the decode launch: split long contexts until the grid
+    has `programs_per_sm` programs per SM, never below `min_keys_per_split` keys per split."""
+    splits = 1
+    while (
+        splits < tiling.max_splits
+        and num_seqs * n_kv * splits < tiling.programs_per_sm * sms
+        and keys >= 2 * splits * tiling.min_keys_per_split
+    ):
+        splits *= 2
+    return splits
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    tiling: AttentionTiling | None = None,
+) -> torch.Tensor:
+    """`paged_attention_torch` (same arguments, same result) on the kernels; needs the metadata's
+    device tensors (`AttentionMetadata.build(..., for_kernels=True)`)."""
+    assert meta.block_table is not None and meta.context_lens_t is not None and meta.query_start_t is not None
+    n_tok, n_q, head_dim = q.shape
+    n_kv = k.shape[1]
+    assert n_q % n_kv == 0 and q.stride(2) == 1
+    tiling = tiling or tiling_for(head_dim)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty((n_tok, n_q, head_dim), dtype=q.dtype, device=q.device)
+    n_seq = meta.num_seqs
+    if n_tok == 0 or n_seq == 0:
+        return out
+    group = n_q // n_kv
+    d_pad = _pow2(head_dim)
+    bs = k_cache.shape[1]
+    window = int(sliding_window) if sliding_window else NO_WINDOW
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    qk_scale = float(scale) * LOG2E
+    for_loop = q.device.type == "cuda"
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    table = meta.block_table
+    if meta.num_decode_seqs:
+        keys = min(meta.max_context_len, window)
+        block_n = tiling.decode_block_n
+        splits = decode_splits(meta.num_decode_seqs, n_kv, keys, _num_sms(q.device), tiling)
+        keys_per_split = _cdiv(_cdiv(keys, splits), block_n) * block_n
+        if splits > 1:
+            part_acc = torch.empty((n_seq, n_q, splits, d_pad), dtype=torch.float32, device=q.device)
+            part_ml = torch.empty((n_seq, n_q, splits, 2), dtype=torch.float32, device=q.device)
+        else:
+            part_acc = part_ml = out  # unused
+        decode_kernel[(n_seq, n_kv, splits)](
+            q, k_cache, v_cache, out, part_acc, part_ml, table, meta.context_lens_t, meta.query_start_t,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, table.stride(0),
+            qk_scale, window, keys_per_split,
+            GROUP=group, G_PAD=_pow2(group), D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_N=block_n,
+            SPLITS=splits, PREC=prec, FOR_LOOP=for_loop, num_warps=tiling.num_warps,
+        )  # fmt: skip
+        if splits > 1:
+            decode_combine_kernel[(n_seq, n_q)](
+                out, part_acc, part_ml, meta.query_start_t, out.stride(0), out.stride(1),
+                HQ=n_q, D=head_dim, D_PAD=d_pad, SPLITS=splits,
+            )  # fmt: skip
+    if meta.max_query_len > 1:
+        block_m = tiling.prefill_block_m
+        prefill_kernel[(n_seq, _cdiv(meta.max_query_len, block_m), n_q)](
+            q, k_cache, v_cache, out, table, meta.context_lens_t, meta.query_start_t,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, table.stride(0),
+            qk_scale, window,
+            GROUP=group, D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=tiling.prefill_block_n,
+            PREC=prec, FOR_LOOP=for_loop, num_warps=tiling.num_warps,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,44 @@
+"""Compile the attention kernels for sm_90 (H100/H200) on a machine without a GPU.
+
+The interpreter runs the kernels' Python and so accepts things the compiler refuses (a plain
+module global read inside a kernel, say); this catches those in CPU CI. Run as a script with
+TRITON_INTERPRET unset (`test_attention_kernels.py` does that in a subprocess).
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from loraplex.layers import attention_triton as at
+
+POINTERS = {name: "*bf16" for name in ("q_ptr", "k_cache", "v_cache", "out_ptr", "k_ptr", "v_ptr")}
+POINTERS.update(
+    part_acc="*fp32", part_ml="*fp32", table_ptr="*i32", ctx_ptr="*i32", qstart_ptr="*i32", slot_ptr="*i64"
+)
+POINTERS.update(qk_scale="fp32")
+
+
+def compile_sm90(fn, constexprs: dict, num_warps: int = 4) -> None:  # noqa: ANN001
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn, signature, constexprs=constexprs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def main() -> None:
+    for head_dim, group in ((128, 4), (256, 8)):
+        t = at.tiling_for(head_dim)
+        common = dict(GROUP=group, D=head_dim, D_PAD=head_dim, BS=16, PREC="tf32", FOR_LOOP=True)
+        for splits in (1, 2):
+            consts = dict(common, G_PAD=16, BLOCK_N=t.decode_block_n, SPLITS=splits)
+            compile_sm90(at.decode_kernel, consts, t.num_warps)
+        compile_sm90(at.decode_combine_kernel, dict(HQ=32, D=head_dim, D_PAD=head_dim, SPLITS=2))
+        consts = dict(common, BLOCK_M=t.prefill_block_m, BLOCK_N=t.prefill_block_n)
+        compile_sm90(at.prefill_kernel, consts, t.num_warps)
+        compile_sm90(at.kv_write_kernel, dict(HKV=8, D=head_dim, H_PAD=8, D_PAD=head_dim))
+    print("compiled")
+
+
+if __name__ == "__main__":
+    main()
