@@ -19,9 +19,16 @@ if ! "$VPY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.s
   "$VPY" -m pip install -q torch==2.13.0 || "$VPY" -m pip install -q "torch>=2.11"
 fi
 
+# Skip the (editable, so code changes need none) reinstall when pyproject.toml has not changed.
+stamp=".venv/.loraplex-installed${extra:+-$extra}"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
 echo "installing loraplex${extra:+ [$extra]} ..."
 if [ -n "$extra" ]; then
   "$VPY" -m pip install -q -e ".[$extra]"
 else
   "$VPY" -m pip install -q -e .
 fi
+echo "$want" > "$stamp"
