@@ -1,0 +1,43 @@
+"""Config files for `loraplex serve`: values become defaults, flags on the command line win."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loraplex.cli import build_parser
+from loraplex.config_cli import engine_config_from_args, engine_defaults_from_mapping
+from loraplex.server.serve import load_settings_file
+
+
+def test_toml_settings_and_flag_precedence(tmp_path: Path) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text(
+        'model = "/m"\nport = 9001\napi_keys = ["k"]\n'
+        '[adapters]\nsql = "/a/sql"\n'
+        '[engine]\ndtype = "bfloat16"\nmax_num_seqs = 7\nmax_lora_rank = 32\n'
+        "[engine.cache]\nblock_size = 32\n"
+    )
+    settings = load_settings_file(path)
+    assert settings.model == "/m" and settings.port == 9001 and settings.adapters == {"sql": "/a/sql"}
+    parser = build_parser()
+    args = parser.parse_args(["serve"])
+    engine_defaults_from_mapping(args.subparser, settings.engine)
+    config = engine_config_from_args("/m", parser.parse_args(["serve", "--max-num-seqs", "9"]))
+    assert config.dtype == "bfloat16" and config.lora.max_rank == 32 and config.cache.block_size == 32
+    assert config.scheduler.max_num_seqs == 9  # the flag wins over the file
+
+
+def test_bad_settings_files_name_the_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("modle = 1\n")
+    with pytest.raises(ValueError, match="modle"):
+        load_settings_file(bad)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match="cannot parse"):
+        load_settings_file(broken)
+    parser = build_parser()
+    with pytest.raises(ValueError, match="max_num_seq"):
+        engine_defaults_from_mapping(parser.parse_args(["serve"]).subparser, {"max_num_seq": 3})
