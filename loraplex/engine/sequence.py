@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.types import AdapterRef, Logprobs, SamplingParams
 
 
@@ -34,6 +35,7 @@ class Sequence:
     logprobs: list[Logprobs] = field(default_factory=list)
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
 
     @property
