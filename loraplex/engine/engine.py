@@ -203,6 +203,23 @@ class Engine:
         self.scheduler.finish(seq)
         self.adapters.release(seq.adapter)
 
+    def check_integrity(self) -> None:
+        """Assert the bookkeeping invariants: the KV pool's free/used partition, each live
+        sequence's blocks covering exactly its computed tokens (plus this step's), and adapter
+        holds equal to the live requests on each revision. Cheap; tests call it between steps."""
+        self.pool.check_integrity()
+        live = [s for s in self._seqs.values() if not s.is_finished]
+        owned = [b for s in live for b in s.block_ids]
+        assert len(owned) == len(set(owned)) == self.pool.num_used, "KV blocks leaked or shared"
+        for seq in live:
+            assert len(seq.block_ids) == self.scheduler.blocks_for(seq.num_computed), seq.request_id
+        holds: dict[AdapterRef, int] = {}
+        for seq in live:
+            if seq.adapter is not None:
+                holds[seq.adapter] = holds.get(seq.adapter, 0) + 1
+        for entry in self.adapters.list():
+            assert self.adapters.holds(entry.ref) == holds.get(entry.ref, 0), f"hold count of {entry.ref}"
+
     # --- helpers --------------------------------------------------------------------------------
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:

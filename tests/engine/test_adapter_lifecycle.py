@@ -169,8 +169,10 @@ def test_abort_frees_blocks_and_adapter_hold(env: dict) -> None:
     engine.add_request("b", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), None)
     engine.step()
     engine.step()
+    engine.check_integrity()
     assert engine.adapters.holds(ref) == 1 and engine.pool.num_used > 0
     assert engine.abort("a")
+    engine.check_integrity()
     assert engine.adapters.holds(ref) == 0
     assert engine.output("a").finish_reason == "abort"
     while engine.has_unfinished():

@@ -102,6 +102,7 @@ def test_step_statistics_show_real_mixed_batching(setup: dict) -> None:
         running = engine.scheduler.running
         expected_blocks = sum(-(-s.num_computed // 8) for s in running)
         assert engine.pool.num_used == expected_blocks
+        engine.check_integrity()
     first = stats[0]
     assert first.num_base_rows > 0 and first.num_lora_segments >= 3
     assert first.lora_op_calls > 0
@@ -121,6 +122,7 @@ def _run_engine(
     while engine.has_unfinished():
         engine.step()
         preempted += len(engine.last_stats.preempted) if engine.last_stats else 0
+        engine.check_integrity()
     outs = {f"q{i}": engine.output(f"q{i}") for i in range(len(prompts))}
     return {"outs": outs, "preempted": preempted}
 
