@@ -26,6 +26,7 @@ from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.lora.backend import make_lora_backend
 from loraplex.lora.weights import LoRASlotTable
+from loraplex.model.llama import LlamaFamilyModel
 from loraplex.model.loader import load_model
 from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import AdapterRef, RequestOutput, SamplingParams
@@ -45,14 +46,24 @@ class RequestDelta:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, progress: bool = False, model: LlamaFamilyModel | None = None
+    ) -> None:
+        """Load the model from `config.model_dir`, or serve `model` as given (already on
+        `config.device` in `config.dtype`; its `config` is the ModelConfig, `config.model_dir` is
+        not read, and there is no tokenizer, so prompts must be token ids)."""
         self.config = config
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
-        self.model_config = ModelConfig.from_dir(config.model_dir)
+        if model is None:
+            self.model_config = ModelConfig.from_dir(config.model_dir)
+            self.model = load_model(config.model_dir, dtype, self.device, progress=progress)
+            self.tokenizer = load_tokenizer(Path(config.model_dir))
+        else:
+            self.model_config = model.config
+            self.model = model
+            self.tokenizer = None
         mc = self.model_config
-        self.model = load_model(config.model_dir, dtype, self.device, progress=progress)
-        self.tokenizer = load_tokenizer(Path(config.model_dir))
         self.max_model_len = config.cache.max_model_len or mc.max_position_embeddings
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or (
