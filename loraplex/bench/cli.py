@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_KERNELS_OUT = Path("bench-results/kernels")
+DEFAULT_ENGINE_OUT = Path("bench-results/engine")
 
 
 def _kernels(args: argparse.Namespace) -> int:
@@ -17,6 +18,26 @@ def _kernels(args: argparse.Namespace) -> int:
     for t in report["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['name']}: {t['value']:.3f} ({t['threshold']})")
     print(f"wrote {args.out}/kernels.json, kernels.md, kernels.png")
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from loraplex.bench.engine import EngineBenchArgs, run, summary_rows
+
+    bench_args = EngineBenchArgs.preset(
+        args.tiny,
+        device=args.device,
+        layers=args.layers,
+        batch=args.batch,
+        context=args.context,
+        adapters=args.adapters,
+        rank=args.rank,
+        steps=args.steps,
+    )
+    report = run(bench_args, args.out)
+    for name, value in summary_rows(report):
+        print(f"{name:52s} {value}")
+    print(f"wrote {args.out}/engine.json, engine.md, engine.png")
     return 0
 
 
@@ -30,6 +51,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--warmup", type=int, default=5)
     k.add_argument("--no-sweep", action="store_true", help="skip the tiling comparison")
     k.set_defaults(run=_kernels)  # the main CLI dispatches on `args.run`
+    e = sub.add_parser("engine", help="decode step of the whole engine vs its bandwidth floor")
+    e.add_argument("--device", default="cuda", help="cuda or cpu")
+    e.add_argument("--tiny", action="store_true", help="tiny model and small defaults (CPU smoke run)")
+    e.add_argument("--layers", type=int, help="decoder layers (default: 32, tiny: 2)")
+    e.add_argument("--batch", type=int, help="concurrent requests (default 64, tiny 8)")
+    e.add_argument("--context", type=int, help="prompt tokens per request (default 1024, tiny 64)")
+    e.add_argument("--adapters", type=int, help="distinct adapters in the LoRA run (default 32, tiny 4)")
+    e.add_argument("--rank", type=int, help="adapter rank (default 16, tiny 8)")
+    e.add_argument("--steps", type=int, help="timed decode steps, median (default 50, tiny 10)")
+    e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
+    e.set_defaults(run=_engine)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,422 @@
+"""`loraplex bench engine`: the decode step of the whole engine against its bandwidth floor.
+
+A Llama-3-8B-shaped model (or a tiny one with `tiny=True`) is built with random weights directly
+on the device, so no checkpoint is needed; random adapters of exact rank are made in memory and
+registered through the normal path (their revision is the usual content hash: about 0.3 s of host
+time per full-size r=16 adapter, recorded as `register_s`).
+
+For each mode (base only, then LoRA with `adapters` distinct adapters assigned round-robin), the
+bench fills `batch` requests with `context` random prompt tokens, steps until every request is
+decoding, then times `steps` decode steps: wall time of `Engine.step()` (scheduling, the model,
+sampling, stop checks), synchronized on CUDA; the median is reported.
+
+floor = (weight bytes + KV bytes read + LoRA bytes of the distinct adapters) / copy bandwidth,
+where the copy bandwidth is measured in the same run (device-to-device on CUDA). On CPU a host
+memcpy is measured instead and the floor is labelled as not meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplex.adapters.peft_import import LAYOUT_VERSION, MANIFEST_FORMAT, ImportedAdapter
+from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.engine import Engine
+from loraplex.lora.layout import TARGETS
+from loraplex.lora.weights import AdapterWeights, LoRAPair
+from loraplex.model.llama import LlamaFamilyModel
+from loraplex.model.registry import MODEL_CLASSES
+from loraplex.types import SamplingParams
+
+DEFAULT_OUT = Path("bench-results/engine")
+WARMUP_STEPS = 5
+# Targets from issue #5 (H200, batch 64, context 1024, 32 distinct r=16 adapters on all targets).
+BASE_OVER_FLOOR_MAX = 1.5
+LORA_OVER_BASE_MAX = 1.25
+
+
+@dataclass(frozen=True)
+class EngineBenchArgs:
+    device: str = "cpu"
+    tiny: bool = False
+    layers: int | None = None
+    batch: int = 64
+    context: int = 1024
+    adapters: int = 32
+    rank: int = 16
+    steps: int = 50
+    seed: int = 0
+
+    @classmethod
+    def preset(cls, tiny: bool, **overrides: Any) -> EngineBenchArgs:
+        """Defaults of the preset (issue #5's case, or a tiny CPU smoke run), then any overrides
+        that are not None."""
+        base = dict(batch=8, context=64, adapters=4, rank=8, steps=10) if tiny else {}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(tiny=tiny, **base)
+
+
+def llama3_8b_hf_dict(layers: int | None = None) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": layers or 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "tie_word_embeddings": False,
+    }
+
+
+def tiny_hf_dict(layers: int | None = None) -> dict[str, Any]:
+    d = llama3_8b_hf_dict(layers or 2)
+    d.update(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return d
+
+
+def random_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LlamaFamilyModel:
+    """The model with random weights made on `device` (never staged on the host)."""
+    torch.manual_seed(seed)
+    with device:
+        model = MODEL_CLASSES[mc.architecture](mc, dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)  # norm weights (and biases, which Llama has none of)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.to(device).eval()
+
+
+def random_adapter(
+    mc: ModelConfig, rank: int, seed: int, dtype: torch.dtype, device: torch.device
+) -> ImportedAdapter:
+    """An adapter of exact rank `rank` on all seven targets of every layer, random A and B."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    alpha = 2.0 * rank
+    pairs: dict[tuple[int, str], LoRAPair] = {}
+    modules = []
+    for layer in range(mc.num_hidden_layers):
+        for target in TARGETS:
+            d_in, d_out = mc.module_dims[target]
+            a = torch.randn(rank, d_in, generator=gen, device=device, dtype=dtype) / math.sqrt(d_in)
+            b = torch.randn(d_out, rank, generator=gen, device=device, dtype=dtype) * 0.01
+            pairs[(layer, target)] = LoRAPair(a, b, alpha / rank)
+            modules.append(
+                {
+                    "layer": layer,
+                    "target": target,
+                    "rank": rank,
+                    "alpha": alpha,
+                    "scale": alpha / rank,
+                    "a_shape": [rank, d_in],
+                    "b_shape": [d_out, rank],
+                }
+            )
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "layout_version": LAYOUT_VERSION,
+        "peft_type": "LORA",
+        "base_architecture": mc.architecture,
+        "use_rslora": False,
+        "targets": list(TARGETS),
+        "source_dtypes": [str(dtype).removeprefix("torch.")],
+        "max_rank": rank,
+        "modules": modules,
+    }
+    return ImportedAdapter(AdapterWeights(pairs), manifest)
+
+
+def copy_bandwidth_bytes_per_s(device: torch.device, nbytes: int) -> float:
+    """(bytes read + bytes written) / time of a copy of `nbytes`, median of a few."""
+    if device.type == "cuda":
+        from loraplex.bench.timing import GpuTimer, copy_bandwidth
+
+        return copy_bandwidth(GpuTimer(device, reps=10, warmup=2), gib=max(1, nbytes >> 30))
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes_per_step(model: LlamaFamilyModel, batch: int) -> int:
+    """Every parameter read once, except an untied embedding table: only the batch's rows."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        emb = model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+        total += batch * emb.shape[1] * emb.element_size()
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mode: str) -> dict[str, Any]:
+    """Fill the batch, step until all decode, time `args.steps` decode steps."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.steps + WARMUP_STEPS + 64, temperature=0.0, ignore_eos=True)
+    ids = [f"{mode}-{i}" for i in range(args.batch)]
+    for i, rid in enumerate(ids):
+        prompt = torch.randint(0, vocab, (args.context,), generator=gen).tolist()
+        adapter = adapter_names[i % len(adapter_names)] if adapter_names else None
+        engine.add_request(rid, prompt, params, adapter)
+    calls0 = engine.lora_backend.total_calls
+    decoding: set[str] = set()
+    fill_steps = 0
+    while len(decoding) < args.batch:
+        decoding.update(d.request_id for d in engine.step())
+        fill_steps += 1
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    tokens_before = sum(len(engine.output(r).prompt_token_ids) + len(engine.output(r).token_ids) for r in ids)
+    times = []
+    for _ in range(args.steps):
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        deltas = engine.step()
+        _sync(engine.device)
+        times.append(time.perf_counter() - t0)
+        stats = engine.last_stats
+        if len(deltas) != args.batch or stats is None or stats.num_prefill_rows:
+            raise RuntimeError(f"{mode}: a timed step was not a pure decode step of the whole batch")
+    calls = engine.lora_backend.total_calls - calls0
+    for rid in ids:
+        engine.abort(rid)
+        engine.release(rid)
+    # A decode step attends every token of each sequence (the new one included).
+    kv_tokens_per_step = tokens_before + args.batch * (args.steps - 1) / 2
+    return {
+        "step_ms": statistics.median(times) * 1e3,
+        "step_ms_all": [t * 1e3 for t in times],
+        "fill_steps": fill_steps,
+        "lora_calls": calls,
+        "kv_tokens_per_step": kv_tokens_per_step,
+    }
+
+
+def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = True) -> dict[str, Any]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda asked for, but CUDA is not available")
+    dtype = torch.bfloat16
+    hf = tiny_hf_dict(args.layers) if args.tiny else llama3_8b_hf_dict(args.layers)
+    mc = ModelConfig.from_hf_dict(hf)
+    copy_bw = copy_bandwidth_bytes_per_s(device, (4 << 30) if device.type == "cuda" else (64 << 20))
+
+    t0 = time.perf_counter()
+    model = random_model(mc, dtype, device, args.seed)
+    _sync(device)
+    build_s = time.perf_counter() - t0
+    block = 16
+    max_len = args.context + args.steps + WARMUP_STEPS + 80
+    config = EngineConfig(
+        model_dir="<random weights>",
+        dtype="bfloat16",
+        device=args.device,
+        seed=args.seed,
+        cache=CacheConfig(
+            block_size=block, num_blocks=args.batch * -(-max_len // block), max_model_len=max_len
+        ),
+        lora=LoRAConfig(max_rank=max(64, args.rank)),
+        scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch)),
+    )
+    engine = Engine(config, model=model)
+
+    t0 = time.perf_counter()
+    names = []
+    for i in range(args.adapters):
+        imported = random_adapter(mc, args.rank, args.seed + 1000 + i, dtype, device)
+        names.append(f"bench-{i}")
+        engine.adapters.register_imported(names[-1], imported)
+    _sync(device)
+    register_s = time.perf_counter() - t0
+    lora_bytes = sum(e.nbytes for e in engine.adapters.list())
+
+    base = run_mode(engine, args, [], "base")
+    lora = run_mode(engine, args, names, "lora") if names else None
+
+    kv_token_bytes = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
+    bytes_ = {
+        "weights": weight_bytes_per_step(model, args.batch),
+        "kv_read": int(base["kv_tokens_per_step"] * kv_token_bytes),
+        "lora": lora_bytes,
+    }
+    floor_ms = sum(bytes_.values()) / copy_bw * 1e3
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "args": asdict(args),
+        "model": {
+            k: hf[k]
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "intermediate_size",
+                "vocab_size",
+            )
+        },  # fmt: skip
+        "copy_bw_GBps": copy_bw / 1e9,
+        "copy_bw_kind": "device-to-device copy" if device.type == "cuda" else "host memcpy (64 MB)",
+        "floor_meaningful": device.type == "cuda",
+        "bytes": bytes_,
+        "floor_ms": floor_ms,
+        "build_s": build_s,
+        "register_s": register_s,
+        "base": base,
+        "lora": lora,
+        "base_step_ms": base["step_ms"],
+        "lora_step_ms": lora["step_ms"] if lora else None,
+        "base_over_floor": base["step_ms"] / floor_ms,
+        "lora_over_base": lora["step_ms"] / base["step_ms"] if lora else None,
+    }
+    report["targets"] = _targets(report)
+    if out_dir is not None:
+        write_report(report, out_dir, plot_png)
+    return report
+
+
+def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    t = [
+        {"name": "base step / floor", "value": report["base_over_floor"], "threshold": BASE_OVER_FLOOR_MAX},
+    ]
+    if report["lora_over_base"] is not None:
+        t.append(
+            {
+                "name": "LoRA step / base step",
+                "value": report["lora_over_base"],
+                "threshold": LORA_OVER_BASE_MAX,
+            }
+        )
+    for x in t:
+        x["pass"] = bool(x["value"] <= x["threshold"]) if report["floor_meaningful"] else None
+    if not report["floor_meaningful"]:
+        t[0]["value"] = None  # a host memcpy is no ceiling for this engine: no verdict on CPU
+    return t
+
+
+def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    b = report["bytes"]
+    floor_note = "" if report["floor_meaningful"] else " (not meaningful on CPU)"
+    return [
+        ("copy bandwidth (GB/s, read + written)", f"{report['copy_bw_GBps']:.1f} ({report['copy_bw_kind']})"),
+        ("weight bytes per step (MB)", f"{b['weights'] / 1e6:.1f}"),
+        ("KV bytes read per step (MB)", f"{b['kv_read'] / 1e6:.1f}"),
+        ("LoRA bytes, distinct adapters (MB)", f"{b['lora'] / 1e6:.1f}"),
+        (f"bandwidth floor (ms){floor_note}", ms(report["floor_ms"])),
+        ("base-only step (ms)", ms(report["base_step_ms"])),
+        ("LoRA step (ms)", ms(report["lora_step_ms"])),
+        (f"base / floor{floor_note}", ratio(report["base_over_floor"])),
+        ("LoRA / base", ratio(report["lora_over_base"])),
+    ]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    a = report["args"]
+    m = report["model"]
+    lines = [
+        "# Engine decode-step benchmark",
+        "",
+        f"Device: {report['device']}; torch {report['torch']}; bf16 random weights, "
+        f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}.",
+        f"Batch {a['batch']}, context {a['context']}, {a['adapters']} distinct adapters of rank {a['rank']} "
+        f"on all seven targets (round-robin); median of {a['steps']} timed decode steps of `Engine.step()`.",
+        "",
+        "| quantity | value |",
+        "| --- | ---: |",
+    ]
+    lines += [f"| {k} | {v} |" for k, v in summary_rows(report)]
+    if not report["floor_meaningful"]:
+        lines += [
+            "",
+            "On CPU no copy-bandwidth ceiling is measured: the floor uses a host memcpy and is no target.",
+        ]
+    lines += ["", "| target | measured | threshold | pass |", "| --- | ---: | ---: | :---: |"]
+    for t in report["targets"]:
+        value = "-" if t["value"] is None else f"{t['value']:.2f}"
+        verdict = "-" if t["pass"] is None else ("yes" if t["pass"] else "NO")
+        lines.append(f"| {t['name']} | {value} | <= {t['threshold']} | {verdict} |")
+    lines += [
+        "",
+        f"Model build {report['build_s']:.1f} s; adapter registration (content hashing included) "
+        f"{report['register_s']:.1f} s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = ["floor", "base-only", "LoRA"]
+    values = [report["floor_ms"], report["base_step_ms"], report["lora_step_ms"] or 0.0]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(labels, values, color=["grey", "tab:blue", "tab:orange"])
+    ax.set_ylabel("ms per decode step")
+    title = f"batch {report['args']['batch']}, context {report['args']['context']}"
+    ax.set_title(title if report["floor_meaningful"] else title + " (CPU: floor not meaningful)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(report: dict[str, Any], out_dir: Path, plot_png: bool = True) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "engine.json").write_text(json.dumps(report, indent=1))
+    md = markdown(report)
+    if plot_png and not plot(report, out_dir / "engine.png"):
+        md += "\n(no plot: matplotlib is not installed)\n"
+    (out_dir / "engine.md").write_text(md)
