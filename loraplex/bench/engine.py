@@ -237,7 +237,9 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
 def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = True) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda asked for, but CUDA is not available (a CPU smoke run: --device cpu --tiny)")
+        raise SystemExit(
+            "--device cuda asked for, but CUDA is not available (a CPU smoke run: --device cpu --tiny)"
+        )
     dtype = torch.bfloat16
     hf = tiny_hf_dict(args.layers) if args.tiny else llama3_8b_hf_dict(args.layers)
     mc = ModelConfig.from_hf_dict(hf)
