@@ -47,7 +47,6 @@ class Scheduler:
         self.block_size = block_size
         self.waiting: list[Sequence] = []  # kept sorted by arrival
         self.running: list[Sequence] = []  # kept sorted by arrival
-        self.total_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -110,7 +109,6 @@ class Scheduler:
         self._free_blocks(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
-        self.total_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self._insert_waiting(seq)
 
