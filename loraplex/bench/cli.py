@@ -33,6 +33,7 @@ def _engine(args: argparse.Namespace) -> int:
         adapters=args.adapters,
         rank=args.rank,
         steps=args.steps,
+        profile=args.profile or None,
     )
     report = run(bench_args, args.out)
     for name, value in summary_rows(report):
@@ -60,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--adapters", type=int, help="distinct adapters in the LoRA run (default 32, tiny 4)")
     e.add_argument("--rank", type=int, help="adapter rank (default 16, tiny 8)")
     e.add_argument("--steps", type=int, help="timed decode steps, median (default 50, tiny 10)")
+    e.add_argument("--profile", action="store_true", help="write torch.profiler tables of a few steps")
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)
 

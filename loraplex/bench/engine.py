@@ -54,6 +54,7 @@ class EngineBenchArgs:
     rank: int = 16
     steps: int = 50
     seed: int = 0
+    profile: bool = False  # also profile a few decode steps per mode (torch.profiler tables)
 
     @classmethod
     def preset(cls, tiny: bool, **overrides: Any) -> EngineBenchArgs:
@@ -220,6 +221,7 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
         if len(deltas) != args.batch or stats is None or stats.num_prefill_rows:
             raise RuntimeError(f"{mode}: a timed step was not a pure decode step of the whole batch")
     calls = engine.lora_backend.total_calls - calls0
+    profile = _profile_steps(engine) if args.profile else None
     for rid in ids:
         engine.abort(rid)
         engine.release(rid)
@@ -231,7 +233,25 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
         "fill_steps": fill_steps,
         "lora_calls": calls,
         "kv_tokens_per_step": kv_tokens_per_step,
+        "profile": profile,
     }
+
+
+def _profile_steps(engine: Engine, steps: int = 3) -> str:
+    """Top operators of a few decode steps by device time, then by host time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync(engine.device)
+    avg = prof.key_averages()
+    by_dev = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
+    return (
+        f"{steps} decode steps, by device time:\n{avg.table(sort_by=by_dev, row_limit=25)}\n"
+        f"by host time:\n{avg.table(sort_by='self_cpu_time_total', row_limit=25)}"
+    )
 
 
 def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = True) -> dict[str, Any]:
@@ -417,6 +437,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 
 def write_report(report: dict[str, Any], out_dir: Path, plot_png: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
+    for mode in ("base", "lora"):
+        if report[mode] and report[mode].get("profile"):
+            (out_dir / f"profile-{mode}.txt").write_text(report[mode]["profile"])
     (out_dir / "engine.json").write_text(json.dumps(report, indent=1))
     md = markdown(report)
     if plot_png and not plot(report, out_dir / "engine.png"):
