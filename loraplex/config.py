@@ -220,6 +220,17 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class GraphConfig:
+    # Decode steps of up to this many sequences replay CUDA graphs (captured per batch-size bucket
+    # on first use); 0 runs every step eagerly. Only on CUDA.
+    cuda_graph_max_batch: int = 256
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError("cuda_graph_max_batch must be >= 0 (0 turns CUDA graphs off)")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     rank: int = 0
@@ -238,6 +249,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property

@@ -7,10 +7,15 @@ import dataclasses
 import typing
 from typing import Any
 
-from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from loraplex.config import CacheConfig, EngineConfig, GraphConfig, LoRAConfig, SchedulerConfig
 
 # Engine sub-configs exposed as flags: EngineConfig field -> dataclass.
-_SECTIONS: dict[str, type] = {"cache": CacheConfig, "lora": LoRAConfig, "scheduler": SchedulerConfig}
+_SECTIONS: dict[str, type] = {
+    "cache": CacheConfig,
+    "lora": LoRAConfig,
+    "scheduler": SchedulerConfig,
+    "graphs": GraphConfig,
+}
 
 
 def _flag(section: str, name: str) -> str:

@@ -9,17 +9,18 @@ was admitted with until it finishes or is aborted.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.model_runner import ForwardResult, ModelRunner
 from loraplex.engine.sampler import Sampler, logprob_dicts
 from loraplex.engine.scheduler import Scheduler, StepPlan
-from loraplex.engine.sequence import Sequence
+from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.stats import StepStats
 from loraplex.engine.stop import StopChecker
 from loraplex.kv.block_pool import BlockPool
@@ -35,9 +36,9 @@ from loraplex.types import AdapterRef, RequestOutput, SamplingParams
 _HEALTH_CHECK_EVERY = 256
 
 
-@dataclass(frozen=True)
-class RequestDelta:
-    """What one step produced for one request."""
+class RequestDelta(NamedTuple):
+    """What one step produced for one request. (A NamedTuple: a step makes one per row, and
+    building one costs half of what a frozen dataclass's __init__ does.)"""
 
     request_id: str
     new_token_ids: list[int]
@@ -83,7 +84,9 @@ class Engine:
         self.lora_backend = make_lora_backend(self.device)
         self.adapters = AdapterRegistry(mc, config.lora.max_rank, self.lora_table, dtype, self.device)
         self.scheduler = Scheduler(config.scheduler, self.pool, block_size)
-        self.runner = ModelRunner(self.model, self.kv, self.lora_table, self.lora_backend, self.device)
+        self.runner = ModelRunner(
+            self.model, self.kv, self.lora_table, self.lora_backend, self.device, self._static_decode(config)
+        )
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.stop = StopChecker(self.tokenizer, self._eos_ids())
         self._seqs: dict[str, Sequence] = {}
@@ -176,28 +179,40 @@ class Engine:
         result = self.runner.run(plan)
         deltas = self._postprocess(plan, result)
         self.last_stats = StepStats.of(
-            plan, result.lora_meta, self.lora_backend.total_calls - calls_before, self.scheduler, self.pool
+            plan,
+            result.num_adapters,
+            self.lora_backend.total_calls - calls_before,
+            self.scheduler,
+            self.pool,
+            result.static_replay,
         )
         return deltas
 
     def _postprocess(self, plan: StepPlan, result: ForwardResult) -> list[RequestDelta]:
-        self._record_prompt_logprobs(plan, result)
-        for chunk in plan.chunks:
+        if result.prompt_rows:
+            self._record_prompt_logprobs(plan, result)
+        chunks = plan.chunks
+        for chunk in chunks:
             chunk.seq.num_computed += chunk.num_tokens
         if not result.sample_chunks:
             return []
-        seqs = [plan.chunks[i].seq for i in result.sample_chunks]
+        seqs = [chunks[i].seq for i in result.sample_chunks]
         sampled = self.sampler(result.sample_logits, [s.params for s in seqs], [s.generator for s in seqs])
-        deltas = []
+        # Per row: the token, its logprobs, the stop checks, the delta; nothing else.
+        deltas: list[RequestDelta] = []
+        add = deltas.append
+        check = self.stop.check
+        max_len = self.max_model_len
+        finished = SequenceStatus.FINISHED
         for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
             seq.output_token_ids.append(token)
             if lp is not None:
                 seq.logprobs.append(lp)
-            reason = self.stop.check(seq, self.max_model_len)
+            reason = check(seq, max_len)
             if reason is not None:
                 seq.finish_reason = reason
                 self._finish(seq)
-            deltas.append(RequestDelta(seq.request_id, [token], seq.is_finished, seq.finish_reason))
+            add(RequestDelta(seq.request_id, [token], seq.status is finished, seq.finish_reason))
         return deltas
 
     def _record_prompt_logprobs(self, plan: StepPlan, result: ForwardResult) -> None:
@@ -232,6 +247,28 @@ class Engine:
             assert self.adapters.holds(entry.ref) == holds.get(entry.ref, 0), f"hold count of {entry.ref}"
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _static_decode(self, config: EngineConfig) -> StaticDecodeRunner | None:
+        """CUDA graphs for decode steps on CUDA unless turned off (cuda_graph_max_batch = 0)."""
+        max_batch = min(config.graphs.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+        if self.device.type != "cuda" or max_batch == 0:
+            return None
+        return StaticDecodeRunner(
+            self.model,
+            self.kv,
+            self.lora_table,
+            self.lora_backend,
+            self.device,
+            max_batch,
+            self.max_model_len,
+            capture=True,
+        )
+
+    @property
+    def graph_replays(self) -> int:
+        """Decode steps that ran as CUDA-graph replays (0 without graphs)."""
+        sd = self.runner.static_decode
+        return sd.replays if sd is not None and sd.capture else 0
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.scheduler import StepPlan
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.layers.attention import AttentionMetadata
@@ -28,7 +29,8 @@ class ForwardResult:
     sample_chunks: tuple[int, ...]  # chunk index of each sample row
     prompt_logits: torch.Tensor  # [n_prompt, V] float32
     prompt_rows: tuple[PromptLogprobRow, ...]
-    lora_meta: LoRABatchMetadata
+    num_adapters: int  # distinct adapter slots among the step's rows
+    static_replay: bool = False  # ran on the static decode buffers (a CUDA-graph replay on CUDA)
 
 
 class ModelRunner:
@@ -39,15 +41,31 @@ class ModelRunner:
         lora_table: LoRASlotTable,
         lora_backend: LoRABackend,
         device: torch.device,
+        static_decode: StaticDecodeRunner | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.lora_table = lora_table
         self.lora_backend = lora_backend
         self.device = device
+        # pure decode steps go here when set (CUDA graphs on CUDA; see cuda_graphs.py)
+        self.static_decode = static_decode
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, hidden_capture: dict[int, torch.Tensor] | None = None) -> ForwardResult:
+        if self.static_decode is not None and hidden_capture is None and self.static_decode.can_run(plan):
+            logits, num_adapters = self.static_decode.run(plan)
+            return ForwardResult(
+                sample_logits=logits,
+                sample_chunks=tuple(range(len(plan.chunks))),
+                prompt_logits=logits[:0],
+                prompt_rows=(),
+                num_adapters=num_adapters,
+                static_replay=True,
+            )
+        return self._run_eager(plan, hidden_capture)
+
+    def _run_eager(self, plan: StepPlan, hidden_capture: dict[int, torch.Tensor] | None) -> ForwardResult:
         bs = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -105,5 +123,5 @@ class ModelRunner:
             sample_chunks=tuple(sample_chunks),
             prompt_logits=logits[n:],
             prompt_rows=tuple(prompt_meta),
-            lora_meta=lora_meta,
+            num_adapters=lora_meta.num_segments,
         )

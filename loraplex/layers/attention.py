@@ -36,6 +36,11 @@ class AttentionMetadata:
     max_query_len: int = 0  # most query rows of one sequence in this step
     max_context_len: int = 0
     num_decode_seqs: int = 0  # sequences with exactly one query row (the decode kernel's work)
+    # A captured decode step (CUDA graph): the device tensors are views of the graph's input
+    # buffers, rewritten before each replay; the host fields hold only the captured shape
+    # (max_context_len is the bound the launch was sized for). Padding rows have slot -1 and no
+    # context.
+    static: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -99,6 +104,27 @@ class AttentionMetadata:
         )
 
 
+    def live(self, block_size: int) -> AttentionMetadata:
+        """Plain metadata of what a static step's device tensors hold now (a host sync), for the
+        torch reference."""
+        if not self.static:
+            return self
+        assert self.block_table is not None and self.context_lens_t is not None
+        assert self.query_start_t is not None
+        ctx = self.context_lens_t.tolist()
+        tables = [row[: -(-c // block_size)] for row, c in zip(self.block_table.tolist(), ctx, strict=True)]
+        return AttentionMetadata.build(
+            self.positions.tolist(),
+            self.slot_mapping.tolist(),
+            self.query_start_t.tolist(),
+            ctx,
+            tables,
+            block_size,
+            self.positions.device,
+            for_kernels=False,
+        )
+
+
 def attention_backend(device: torch.device | str) -> str:
     """Return "triton" on CUDA, "torch" elsewhere: the one place the attention implementation is chosen."""
     return "triton" if torch.device(device).type == "cuda" else "torch"
@@ -142,14 +168,22 @@ def paged_attention_torch(
     (query head h reads kv head h // (Hq / Hkv)). Needs `meta.kv_indices`.
     """
     n_kv, head_dim = k.shape[1], k.shape[2]
+    meta = meta.live(k_cache.shape[1])
     flat_k = k_cache.view(-1, n_kv, head_dim)
     flat_v = v_cache.view(-1, n_kv, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    slots = meta.slot_mapping
+    if slots.numel() and int(slots.min()) < 0:  # padding rows of a captured-shape step write nowhere
+        keep = slots >= 0
+        k, v, slots = k[keep], v[keep], slots[keep]
+    flat_k.index_copy_(0, slots, k)
+    flat_v.index_copy_(0, slots, v)
     group = q.shape[1] // n_kv
     out = torch.empty_like(q)
     for i, ctx_len in enumerate(meta.context_lens):
         lo, hi = meta.query_start[i], meta.query_start[i + 1]
+        if ctx_len == 0:  # a padding row: nothing to attend to
+            out[lo:hi] = 0
+            continue
         idx = meta.kv_indices[i]
         keys = flat_k.index_select(0, idx)  # [L, Hkv, D]
         values = flat_v.index_select(0, idx)

@@ -165,7 +165,6 @@ def decode_kernel(
     stride_bt,
     qk_scale,
     window,
-    keys_per_split,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     D: tl.constexpr,
@@ -187,6 +186,9 @@ def decode_kernel(
     ctx = tl.load(ctx_ptr + s_id)
     p_last = ctx - 1
     lo = tl.maximum(p_last - window + 1, 0)
+    # Each sequence splits its own keys (whole BLOCK_N tiles per split): no launch argument depends
+    # on the step's context lengths, so a CUDA graph can replay this launch for any of them.
+    keys_per_split = tl.cdiv(tl.cdiv(ctx - lo, SPLITS), BLOCK_N) * BLOCK_N
     k_lo = lo + split * keys_per_split
     k_hi = tl.minimum(ctx, k_lo + keys_per_split)
     g = tl.arange(0, G_PAD)
@@ -252,7 +254,8 @@ def decode_combine_kernel(
     m_all = tl.max(m, axis=0)
     w = tl.exp2(m - m_all)  # a split with no keys has m = NEG_INIT, l = 0: weight 0
     acc = tl.load(part_acc + base[:, None] * D_PAD + d[None, :])
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_part * w, axis=0)
+    den = tl.sum(l_part * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)  # no keys (padding row): 0
     tl.store(
         out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < D
     )
@@ -398,7 +401,6 @@ def paged_attention_triton(
         keys = min(meta.max_context_len, window)
         block_n = tiling.decode_block_n
         splits = decode_splits(meta.num_decode_seqs, n_kv, keys, _num_sms(q.device), tiling)
-        keys_per_split = _cdiv(_cdiv(keys, splits), block_n) * block_n
         if splits > 1:
             part_acc = torch.empty((n_seq, n_q, splits, d_pad), dtype=torch.float32, device=q.device)
             part_ml = torch.empty((n_seq, n_q, splits, 2), dtype=torch.float32, device=q.device)
@@ -407,7 +409,7 @@ def paged_attention_triton(
         decode_kernel[(n_seq, n_kv, splits)](
             q, k_cache, v_cache, out, part_acc, part_ml, table, meta.context_lens_t, meta.query_start_t,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, table.stride(0),
-            qk_scale, window, keys_per_split,
+            qk_scale, window,
             GROUP=group, G_PAD=_pow2(group), D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_N=block_n,
             SPLITS=splits, PREC=prec, FOR_LOOP=for_loop, num_warps=tiling.num_warps,
         )  # fmt: skip

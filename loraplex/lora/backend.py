@@ -22,6 +22,8 @@ class LoRABackend(Protocol):
 
     def check_health(self) -> None: ...
 
+    def graph_epoch(self, table: LoRASlotTable, device: torch.device | str) -> tuple[int, int]: ...
+
     def apply(
         self,
         y: torch.Tensor,

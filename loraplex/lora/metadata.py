@@ -8,6 +8,13 @@ Example: rows 0..11 with slots [A A A A - - B B B B B C] ('-' = base only) give
     seg_offsets  = [0, 4, 9, 10]
     seg_slots    = [A, B, C]
 Base-only rows are in no segment, so they cost the LoRA branch nothing.
+
+A CUDA graph cannot take new launch sizes per step, so a captured decode step uses *static*
+metadata (`static` set): the device tensors are views of the graph's input buffers, rewritten
+before every replay, and the host fields describe only the captured shape (`StaticLoRAShape`):
+rows, a segment capacity and the rank tile. Segments are then at most `StaticLoRAShape.max_rows`
+long (a longer one is split into several of the same slot) and the unused ones are empty and
+point at the device table's null slot, so the launch sizes never depend on the step.
 """
 
 from __future__ import annotations
@@ -23,6 +30,16 @@ BASE_SLOT = -1  # a row without an adapter
 
 
 @dataclass(frozen=True)
+class StaticLoRAShape:
+    """The launch shape a captured step was recorded with (see the module docstring)."""
+
+    rows: int  # rows of the step (the graph's batch size): an upper bound on LoRA rows
+    segments: int  # segment capacity; unused segments are empty
+    block_r: int  # rank tile: covers every adapter the replays may see
+    max_rows: int  # longest segment
+
+
+@dataclass(frozen=True)
 class LoRABatchMetadata:
     num_rows: int  # all rows of the step, base-only included
     row_perm: torch.Tensor  # [R] int64: rows of the segments, in segment order
@@ -31,17 +48,48 @@ class LoRABatchMetadata:
     seg_offsets_host: tuple[int, ...]  # the same, on the host, for loops and launch sizing
     seg_slots_host: tuple[int, ...]
     active_groups: frozenset[tuple[int, str]]  # (layer, group) that some segment's adapter adapts
+    static: StaticLoRAShape | None = None  # set: a captured step's metadata (host fields unused)
 
     @property
     def num_segments(self) -> int:
-        return len(self.seg_slots_host)
+        return self.static.segments if self.static else len(self.seg_slots_host)
 
     @property
     def num_lora_rows(self) -> int:
+        """Rows the LoRA kernels size their scratch for (the static row count when captured)."""
+        if self.static:
+            return self.static.rows
         return self.seg_offsets_host[-1] if self.seg_offsets_host else 0
 
     def targets_group(self, layer: int, group: str) -> bool:
-        return (layer, group) in self.active_groups
+        # a captured step launches every group: the replays' adapters are unknown at capture
+        return self.static is not None or (layer, group) in self.active_groups
+
+    def live(self, table: LoRASlotTable) -> LoRABatchMetadata:
+        """Plain metadata of what the device tensors hold now (a host sync): lets host-driven
+        code such as the torch reference run a static step. Empty segments are dropped."""
+        if self.static is None:
+            return self
+        offsets = self.seg_offsets.tolist()
+        slots = self.seg_slots.tolist()
+        perm = self.row_perm[: offsets[-1]]
+        keep = [s for s in range(len(slots)) if offsets[s + 1] > offsets[s]]
+        active: set[tuple[int, str]] = set()
+        for s in keep:
+            active |= table.groups_of(slots[s])
+        new_offsets = [0]
+        for s in keep:  # segments are contiguous in row_perm, so dropping empty ones keeps it valid
+            new_offsets.append(new_offsets[-1] + offsets[s + 1] - offsets[s])
+        dev = self.seg_offsets.device
+        return LoRABatchMetadata(
+            num_rows=self.num_rows,
+            row_perm=perm,
+            seg_offsets=torch.tensor(new_offsets, dtype=torch.int64, device=dev),
+            seg_slots=torch.tensor([slots[s] for s in keep], dtype=torch.int64, device=dev),
+            seg_offsets_host=tuple(new_offsets),
+            seg_slots_host=tuple(slots[s] for s in keep),
+            active_groups=frozenset(active),
+        )
 
     @classmethod
     def build(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from loraplex.lora.layout import GROUP_SLICES
-from loraplex.lora.metadata import LoRABatchMetadata
+from loraplex.lora.metadata import BASE_SLOT, LoRABatchMetadata
 from loraplex.lora.weights import LoRAPair, LoRASlotTable
 
 
@@ -100,6 +100,11 @@ class TorchLoRABackend:
     def check_health(self) -> None:
         """Nothing can go wrong asynchronously on this path."""
 
+    def graph_epoch(self, table: LoRASlotTable, device: torch.device | str) -> tuple[int, int]:
+        """No device tables: captured-shape steps read the slot table directly (`meta.live`),
+        and padding segments may name any slot id (they are empty)."""
+        return 0, BASE_SLOT
+
     def apply(
         self,
         y: torch.Tensor,
@@ -110,6 +115,9 @@ class TorchLoRABackend:
         group: str,
         slice_offsets: Sequence[int],
     ) -> None:
+        meta = meta.live(table)  # a captured-shape step: read what its buffers hold now
+        if meta.num_lora_rows == 0 or not meta.targets_group(layer, group):
+            return
         pairs = segment_pairs(meta, table, layer, group)
         self.calls[group] += 1
         h = lora_shrink(x, meta, pairs)

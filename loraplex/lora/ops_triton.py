@@ -110,8 +110,22 @@ class TritonLoRABackend:
         dev.sync(table)
         self._step_info(meta, dev)
 
+    def graph_epoch(self, table: LoRASlotTable, device: torch.device | str) -> tuple[int, int]:
+        """Bring the device tables up to date (in place where they fit) and return what a
+        captured graph depends on: (tables' epoch, null slot). A graph recorded under another
+        epoch reads freed tables and must be recaptured."""
+        dev = self.device_table(device)
+        dev.sync(table)
+        return dev.epoch, dev.null_slot
+
     def _step_info(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> _StepInfo:
         if meta is self._step_meta and dev.version == self._step_version and self._step is not None:
+            return self._step
+        if meta.static is not None:
+            # a captured step: every slice of every group (a replay's adapters are unknown; slices
+            # of rank 0 read nothing), the rank tile and segment length it was recorded with
+            self._step = _StepInfo(-1, meta.static.block_r, meta.static.max_rows)
+            self._step_meta, self._step_version = meta, dev.version
             return self._step
         coverage, max_rank = 0, 0
         for slot in meta.seg_slots_host:
@@ -325,6 +339,6 @@ class TritonLoRABackend:
         assert x.stride(1) == 1 and y.stride(1) == 1 and y.shape[0] == x.shape[0]
         assert slice_offsets[-1] <= y.shape[1]
         for i, t in enumerate(slices):
-            if slice_mask >> i & 1:
+            if slice_mask >> i & 1 and (layer, t) in dev.dims:  # absent: no adapter has it (rank 0)
                 want = (x.shape[1], slice_offsets[i + 1] - slice_offsets[i])
                 assert dev.dims[(layer, t)] == want, (layer, t, dev.dims[(layer, t)], want)

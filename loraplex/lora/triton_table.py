@@ -5,6 +5,12 @@ them into pointers that the compiler knows are 16-byte aligned. The kernels read
 through these tables, so every adapter stays at its own rank: nothing
 is padded, and adapters of different ranks share one launch. The tables are rebuilt only when
 `LoRASlotTable.version` changes (an adapter loaded into or cleared from a slot), never per step.
+
+CUDA graphs record these tables' addresses, so a rebuild writes into the same device tensors
+whenever they are large enough (the capacity grows in powers of two); `epoch` counts the times
+they had to be reallocated (or a compile-time property such as `rank_aligned` changed), which
+invalidates captured graphs. The last slot column is the *null slot* (rank 0 everywhere): the
+empty segments of a captured step point at it, so they read no weights.
 """
 
 from __future__ import annotations
@@ -49,9 +55,10 @@ class LoRADeviceTable:
         self.device = device
         self._source: LoRASlotTable | None = None
         self.version = -1
+        self.epoch = 0  # bumped when the tables below are reallocated (see the module docstring)
         self.dtype: torch.dtype | None = None
         self.base = torch.empty(0)  # weights' dtype; every table entry is an offset from here
-        self.n_slots = 0
+        self.n_slots = 0  # columns of the tables (capacity; the last is the null slot)
         self.rank_aligned = True  # every rank a multiple of 8 (lets the kernels vectorize B loads)
         self.slot_coverage: dict[int, int] = {}  # slot -> OR of target_bit over its pairs
         self.slot_max_rank: dict[int, int] = {}
@@ -71,16 +78,21 @@ class LoRADeviceTable:
     def _build(self, table: LoRASlotTable) -> None:
         items = table.items()
         n_rows = table.num_layers * len(TARGETS)
-        n_slots = max((slot for slot, _ in items), default=-1) + 1
+        needed = max((slot for slot, _ in items), default=-1) + 2  # + the null slot
         dtypes = {t.dtype for _, w in items for p in w.pairs.values() for t in (p.a, p.b)}
         if len(dtypes) > 1:
             raise ValueError(f"LoRA weights mix dtypes {sorted(map(str, dtypes))}; the kernels need one")
-        dtype = dtypes.pop() if dtypes else torch.float32
-        # Absent entries (offset 0, rank 0) point at the base itself, a real buffer: no load is
-        # ever issued for them (rank 0 masks everything), but no pointer is ever null either.
-        base = torch.zeros(64, dtype=dtype, device=self.device)
+        dtype = dtypes.pop() if dtypes else (self.dtype or torch.float32)
+        realloc = needed > self.n_slots or self._a.shape[0] != n_rows or self.base.dtype != dtype
+        if realloc:
+            n_slots = max(16, 1 << (needed - 1).bit_length())
+            # Absent entries (offset 0, rank 0) point at the base itself, a real buffer: no load is
+            # ever issued for them (rank 0 masks everything), but no pointer is ever null either.
+            base = torch.zeros(64, dtype=dtype, device=self.device)
+        else:
+            n_slots, base = self.n_slots, self.base
         elem = base.element_size()
-        a = torch.zeros((n_rows, max(n_slots, 1)), dtype=torch.int64)
+        a = torch.zeros((n_rows, n_slots), dtype=torch.int64)
         b = a.clone()
         r = torch.zeros(a.shape, dtype=torch.int32)
         s = torch.zeros(a.shape, dtype=torch.float32)
@@ -108,14 +120,25 @@ class LoRADeviceTable:
                 mask |= target_bit(layer, target)
                 max_rank[slot] = max(max_rank.get(slot, 0), rank)
             coverage[slot] = mask
-        self.dtype, self.base = (dtype if items else None), base
-        self.rank_aligned = bool((r % 8 == 0).all())
-        self.n_slots = a.shape[1]
-        self._a, self._b = a.to(self.device), b.to(self.device)
-        self._r, self._s = r.to(self.device), s.to(self.device)
+        rank_aligned = bool((r % 8 == 0).all())
+        if realloc or rank_aligned != self.rank_aligned:
+            self.epoch += 1
+        self.dtype, self.base = (dtype if items else self.dtype), base
+        self.rank_aligned = rank_aligned
+        if realloc:
+            self.n_slots = n_slots
+            self._a, self._b = a.to(self.device), b.to(self.device)
+            self._r, self._s = r.to(self.device), s.to(self.device)
+            self._views = {}
+        else:  # in place: captured graphs keep reading these tensors
+            for dst, src in ((self._a, a), (self._b, b), (self._r, r), (self._s, s)):
+                dst.copy_(src)
         self._keep = keep
-        self._views = {}
         self.slot_coverage, self.slot_max_rank, self.dims = coverage, max_rank, dims
+
+    @property
+    def null_slot(self) -> int:
+        return self.n_slots - 1
 
     def group(self, layer: int, group: str) -> GroupTables:
         views = self._views.get((layer, group))

@@ -73,6 +73,9 @@ class ServerMetrics(StepObserver):
         )
         self.steps = Counter("loraplex_engine_steps", "Engine steps run", registry=r)
         self.preemptions = Counter("loraplex_preemptions", "Sequences preempted for KV space", registry=r)
+        self.graph_replays = Counter(
+            "loraplex_cuda_graph_replays", "Decode steps run as CUDA-graph replays", registry=r
+        )
         self._max_adapters = 0
 
     # --- StepObserver (called on the engine thread) ---------------------------------------------
@@ -106,6 +109,8 @@ class ServerMetrics(StepObserver):
             self.max_step_adapters.set(stats.num_lora_segments)
         if stats.preempted:
             self.preemptions.inc(len(stats.preempted))
+        if stats.static_replay and engine.graph_replays:
+            self.graph_replays.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

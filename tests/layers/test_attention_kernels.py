@@ -256,3 +256,51 @@ def test_gpu_dispatch_uses_kernels() -> None:
     # the reference cannot run on kernel metadata (no kv_indices): a result proves the kernels ran
     out = paged_attention(case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta_kernel, 0.1, None)
     assert out.shape == case.q.shape
+
+
+def _padded_static(case: Case, pad: int, bound: int) -> tuple[torch.Tensor, ...]:
+    """The case's decode rows plus `pad` padding rows as a captured step lays them out (slot -1,
+    no context), with the decode launch sized for `bound` keys; returns (q, k, v, meta)."""
+    m = case.meta_kernel
+    n, width = m.block_table.shape
+    extra = lambda x: torch.cat([x, torch.randn(pad, *x.shape[1:]).to(x)])  # noqa: E731
+    q, k, v = extra(case.q), extra(case.k), extra(case.v)
+    meta = AttentionMetadata(
+        positions=torch.cat([m.positions, torch.zeros(pad, dtype=torch.int64)]),
+        slot_mapping=torch.cat([m.slot_mapping, torch.full((pad,), -1)]),
+        query_start=tuple(range(n + pad + 1)),
+        context_lens=(0,) * (n + pad),
+        kv_indices=(),
+        block_tables=(),
+        block_table=torch.cat([m.block_table, torch.zeros(pad, width, dtype=torch.int32)]),
+        context_lens_t=torch.cat([m.context_lens_t, torch.zeros(pad, dtype=torch.int32)]),
+        query_start_t=torch.arange(n + pad + 1, dtype=torch.int32),
+        max_query_len=1,
+        max_context_len=bound,
+        num_decode_seqs=n + pad,
+        static=True,
+    )
+    return q, k, v, meta
+
+
+@needs_interp
+def test_interp_static_decode_with_padding_rows() -> None:
+    from loraplex.layers.attention_triton import paged_attention_triton
+
+    # a captured decode step: launch sized for a bound far above the real contexts (many splits,
+    # most of them empty), two padding rows that must write nothing and read nothing
+    case = make_case([(0, 1), (70, 1), (33, 1)], 4, 2, 32, torch.float32, "cpu", seed=13)
+    q, k, v, meta = _padded_static(case, pad=2, bound=1024)
+    scale = 32**-0.5
+    ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
+    ref = paged_attention_torch(case.q, case.k, case.v, ref_k, ref_v, case.meta_ref, scale, None)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out = paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale, None, _interp_tiling())
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # padding wrote nothing
+    assert (out[:3] - ref).abs().max() <= 1e-4
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+    # the torch reference runs the same static metadata (reading its device tensors)
+    k2, v2 = case.k_cache.clone(), case.v_cache.clone()
+    out_ref = paged_attention_torch(q, k, v, k2, v2, meta, scale, None)
+    assert torch.equal(k2, ref_k) and (out_ref[:3] - ref).abs().max() <= 1e-6
+    assert torch.equal(out_ref[3:], torch.zeros_like(out_ref[3:]))

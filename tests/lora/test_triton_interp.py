@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 from lora.lora_cases import SMALL_SHAPES, make_table, random_ranks, reference, row_errors, slice_offsets  # noqa: E402
 from loraplex.bench.workloads import POPULARITIES, adapter_choices  # noqa: E402
-from loraplex.lora.metadata import LoRABatchMetadata  # noqa: E402
+from loraplex.lora.metadata import LoRABatchMetadata, StaticLoRAShape  # noqa: E402
 from loraplex.lora.ops_triton import TritonLoRABackend  # noqa: E402
 from loraplex.lora.triton_config import DECODE, PREFILL, with_overrides  # noqa: E402
 from loraplex.lora.weights import AdapterWeights, LoRAPair  # noqa: E402
@@ -232,3 +232,70 @@ def test_fused_falls_back_to_two_launches_when_the_grid_is_too_large(monkeypatch
     monkeypatch.setattr(be._k, "lora_fused_kernel", Boom())
     _check_all_groups(be, [0, 1, 1, -1, 0], table)
     assert be._plans and not _fused_plans(be)
+
+
+def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> LoRABatchMetadata:
+    """The metadata of a captured decode step, as `engine/cuda_graphs.py` writes it: segments of
+    at most 16 rows, padded with empty segments on the null slot up to `cap`."""
+    segs: list[tuple[int, list[int]]] = []
+    by_slot: dict[int, list[int]] = {}
+    for row, s in enumerate(slots):
+        if s != -1:
+            by_slot.setdefault(s, []).append(row)
+    for s, rows in by_slot.items():
+        segs += [(s, rows[i : i + 16]) for i in range(0, len(rows), 16)]
+    perm = [r for _, rows in segs for r in rows] + [0] * (len(slots) - sum(len(r) for _, r in segs))
+    offsets = [0]
+    for _, rows in segs:
+        offsets.append(offsets[-1] + len(rows))
+    offsets += [offsets[-1]] * (cap - len(segs))
+    return LoRABatchMetadata(
+        num_rows=len(slots),
+        row_perm=torch.tensor(perm),
+        seg_offsets=torch.tensor(offsets),
+        seg_slots=torch.tensor([s for s, _ in segs] + [null_slot] * (cap - len(segs))),
+        seg_offsets_host=(),
+        seg_slots_host=(),
+        active_groups=frozenset(),
+        static=StaticLoRAShape(rows=len(slots), segments=cap, block_r=block_r, max_rows=16),
+    )
+
+
+@pytest.mark.parametrize("tiling", [FUSED_DECODE, SPLIT_DECODE], ids=["fused", "two-launch"])
+def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
+    # adapter 1 adapts only q and up: the static launch covers every slice, rank 0 elsewhere
+    table = make_table([16, 8, 16], DTYPE, "cpu", seed=8, targets=[None, ("q", "up"), None])
+    be = _backend(tiling)
+    epoch, null_slot = be.graph_epoch(table, CPU)
+    dev = be.device_table(CPU)
+    a_tab = dev.group(0, "qkv").a_offs
+    slots = [0] * 18 + [-1, 1, 2, -1, 1]  # 18 rows of slot 0: two segments
+    meta = _static_meta(slots, null_slot, cap=8, block_r=16)
+    gen = torch.Generator().manual_seed(9)
+
+    def check(group: str) -> None:
+        d_in, widths = SMALL_SHAPES[group]
+        offs = slice_offsets(widths)
+        x = torch.randn(len(slots), d_in, generator=gen)
+        y0 = torch.randn(len(slots), offs[-1], generator=gen)
+        y = y0.clone()
+        be.apply(y, x, meta, table, 0, group, offs)
+        plain = LoRABatchMetadata.build(slots, table)
+        y_ref = reference(y0, x, plain, table, 0, group, offs)
+        lora_rows = [i for i, s in enumerate(slots) if s != -1]
+        assert row_errors(y[lora_rows], y_ref[lora_rows]).max() <= 1e-4, group
+        assert torch.equal(y[[18, 21]], y0[[18, 21]]), group  # base rows untouched
+
+    for group in SMALL_SHAPES:
+        check(group)
+    # Change what is behind slot 2 and what slot 1 adapts; the same static metadata object (as a
+    # replayed graph would) must read the new tables, which were updated in place.
+    table.set(2, make_table([16], DTYPE, "cpu", seed=10).weights(0))
+    table.set(1, make_table([8], DTYPE, "cpu", seed=11, targets=[("k", "down")]).weights(0))
+    assert be.graph_epoch(table, CPU) == (epoch, null_slot)
+    assert dev.group(0, "qkv").a_offs.data_ptr() == a_tab.data_ptr()
+    for group in SMALL_SHAPES:
+        check(group)
+    # A slot beyond the tables' capacity reallocates them: a new epoch tells graphs to recapture.
+    table.set(dev.n_slots + 3, make_table([8], DTYPE, "cpu", seed=12).weights(0))
+    assert be.graph_epoch(table, CPU)[0] == epoch + 1

@@ -1,0 +1,309 @@
+"""Decode steps as CUDA-graph replays, reading the live token -> adapter mapping on every replay.
+
+A pure decode step (every sequence adds one token) of at most `GraphConfig.cuda_graph_max_batch`
+sequences runs as the replay of a graph captured for its batch-size bucket. The step's inputs
+(token ids, positions, KV slots, context lengths, block tables) and its LoRA metadata (row order,
+segment offsets, segment slots) are written into the graph's static buffers with two host-to-device
+copies, then the graph replays. Only launch shapes are baked into a graph, never the mapping:
+
+- the batch is padded up to its bucket; a padding row is token 0 at position 0 with no KV write,
+  no context and no adapter;
+- LoRA segments are cut to at most `SEGMENT_ROWS` rows (the decode tiling's row tile) and padded
+  with empty segments on the device table's null slot up to a power-of-two capacity, so a graph
+  is keyed by (bucket, segment capacity, rank tile) and captured on first use;
+- the LoRA backend updates its device tables in place when adapters load or are replaced, so a
+  replay sees the new weights behind a slot; when the tables must be reallocated (their epoch
+  changes), the LoRA graphs are dropped and recaptured.
+
+`StaticDecodeRunner(capture=False)` runs the same static-buffer path eagerly: that is how the CPU
+tests check the buffers, padding and segment cutting; capture and replay need CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from loraplex.engine.scheduler import StepPlan
+from loraplex.kv.kv_cache import PagedKVCache
+from loraplex.layers.attention import AttentionMetadata
+from loraplex.layers.linear import LoRAStep
+from loraplex.lora.backend import LoRABackend
+from loraplex.lora.layout import GROUP_SLICES
+from loraplex.lora.metadata import BASE_SLOT, LoRABatchMetadata, StaticLoRAShape
+from loraplex.lora.triton_config import DECODE, block_r_for
+from loraplex.lora.weights import LoRASlotTable
+from loraplex.model.llama import LlamaFamilyModel
+
+SEGMENT_ROWS = DECODE.block_m  # longest LoRA segment of a captured step: one row tile
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def batch_bucket(n: int, max_batch: int) -> int | None:
+    """The padded batch size a graph is captured for (None: too large for graphs)."""
+    if n < 1 or n > max_batch:
+        return None
+    for b in _BUCKETS:
+        if b >= n:
+            return min(b, max_batch)
+    return min(-(-n // 64) * 64, max_batch)  # past the table: multiples of 64
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int
+    lora: tuple[int, int] | None  # (segment capacity, rank tile); None: no LoRA rows in the step
+
+
+class _StaticInputs:
+    """Device buffers of one bucket (plus pinned host twins), and the metadata views over them.
+
+    int64 buffer: ids [B] | positions [B] | KV slots [B] | LoRA row_perm [B] | seg_slots [B] |
+    seg_offsets [B + 1]; int32 buffer: context lens [B] | query_start [B + 1] | block table [B, W].
+    """
+
+    def __init__(self, batch: int, width: int, device: torch.device) -> None:
+        b = batch
+        self.batch, self.width = b, width
+        pin = device.type == "cuda"
+        self.host64 = torch.zeros(6 * b + 1, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(2 * b + 1 + b * width, dtype=torch.int32, pin_memory=pin)
+        self.h64 = self.host64.numpy()
+        self.h32 = self.host32.numpy()
+        self.h32[b : 2 * b + 1] = np.arange(b + 1)  # one query row per sequence, always
+        self.table = self.h32[2 * b + 1 :].reshape(b, width)
+        self.dev64 = self.host64.to(device)
+        self.dev32 = self.host32.to(device)
+        d64, d32 = self.dev64, self.dev32
+        self.ids = d64[:b]
+        self.attn = AttentionMetadata(
+            positions=d64[b : 2 * b],
+            slot_mapping=d64[2 * b : 3 * b],
+            query_start=tuple(range(b + 1)),
+            context_lens=(0,) * b,
+            kv_indices=(),
+            block_tables=(),
+            block_table=d32[2 * b + 1 :].view(b, width),
+            context_lens_t=d32[:b],
+            query_start_t=d32[b : 2 * b + 1],
+            max_query_len=1,
+            max_context_len=0,  # set per graph: the bound its decode launch is sized for
+            num_decode_seqs=b,
+            static=True,
+        )
+        self.row_perm = d64[3 * b : 4 * b]
+        self.seg_slots = d64[4 * b : 5 * b]
+        self.seg_offsets = d64[5 * b : 6 * b + 1]
+
+    def upload(self) -> None:
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+
+
+@dataclass
+class _Captured:
+    attn: AttentionMetadata
+    lora_meta: LoRABatchMetadata | None
+    graph: torch.cuda.CUDAGraph | None  # None: eager (capture=False)
+    logits: torch.Tensor | None  # the graph's static output [B, V] float32
+
+
+class StaticDecodeRunner:
+    """Runs pure decode steps on static buffers: replays of CUDA graphs (`capture=True`, CUDA
+    only) or the same forward eagerly (`capture=False`)."""
+
+    def __init__(
+        self,
+        model: LlamaFamilyModel,
+        kv: PagedKVCache,
+        lora_table: LoRASlotTable,
+        lora_backend: LoRABackend,
+        device: torch.device,
+        max_batch: int,
+        max_model_len: int,
+        capture: bool,
+    ) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.model = model
+        self.kv = kv
+        self.lora_table = lora_table
+        self.lora_backend = lora_backend
+        self.device = device
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len
+        self.capture = capture
+        self.width = -(-max_model_len // kv.block_size)
+        self.replays = 0  # steps run on static buffers (graph replays when capturing)
+        self.captures = 0
+        self._inputs: dict[int, _StaticInputs] = {}
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self._epoch: int | None = None
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._ranks: dict[int, int] = {}  # slot -> largest rank (for the rank tile), per table version
+        self._ranks_version = -1
+        self._all_groups = frozenset(
+            (layer, g) for layer in range(model.config.num_hidden_layers) for g in GROUP_SLICES
+        )
+
+    def can_run(self, plan: StepPlan) -> bool:
+        if batch_bucket(len(plan.chunks), self.max_batch) is None:
+            return False
+        for c in plan.chunks:
+            if c.num_tokens != 1 or not c.completes:
+                return False
+        return True
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, int]:
+        """Logits [n, V] float32 of the step's n sequences (a view of the graph's output: read it
+        before the next step), and the number of distinct adapters in the step."""
+        chunks = plan.chunks
+        n = len(chunks)
+        b = batch_bucket(n, self.max_batch)
+        assert b is not None
+        segments, distinct = self._segments([c.seq.slot for c in chunks])
+        lora_key = None
+        if segments:
+            epoch, null_slot = self.lora_backend.graph_epoch(self.lora_table, self.device)
+            if epoch != self._epoch:  # the device tables were reallocated: LoRA graphs read stale ones
+                self._graphs = {k: g for k, g in self._graphs.items() if k.lora is None}
+                self._epoch = epoch
+            cap = min(1 << (len(segments) - 1).bit_length(), b)
+            lora_key = (cap, block_r_for(max(self._max_rank(s) for s in distinct)))
+        key = GraphKey(b, lora_key)
+        inputs = self._inputs_for(b)
+        captured = self._graphs.get(key) or self._record(key, inputs)
+
+        self._fill(inputs, chunks, n)
+        if segments:
+            self._fill_lora(inputs, segments, lora_key[0], null_slot)
+        inputs.upload()
+        if captured.graph is not None:
+            captured.graph.replay()
+            logits = captured.logits
+        else:
+            logits = self._forward(inputs, captured)
+        self.replays += 1
+        assert logits is not None
+        return logits[:n], len(distinct)
+
+    # --- host side ------------------------------------------------------------------------------
+
+    def _segments(self, row_slots: list[int]) -> tuple[list[tuple[int, list[int]]], list[int]]:
+        """Rows grouped by slot (order of first appearance), cut into pieces of SEGMENT_ROWS."""
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot != BASE_SLOT:
+                by_slot.setdefault(slot, []).append(row)
+        segments = []
+        for slot, rows in by_slot.items():
+            for i in range(0, len(rows), SEGMENT_ROWS):
+                segments.append((slot, rows[i : i + SEGMENT_ROWS]))
+        return segments, list(by_slot)
+
+    def _max_rank(self, slot: int) -> int:
+        if self._ranks_version != self.lora_table.version:
+            self._ranks, self._ranks_version = {}, self.lora_table.version
+        rank = self._ranks.get(slot)
+        if rank is None:
+            rank = self._ranks[slot] = self.lora_table.weights(slot).max_rank
+        return rank
+
+    def _fill(self, inputs: _StaticInputs, chunks: tuple, n: int) -> None:
+        b, bs = inputs.batch, self.kv.block_size
+        h64, h32, table = inputs.h64, inputs.h32, inputs.table
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            pos = seq.num_computed
+            blocks = seq.block_ids
+            h64[i] = seq.token_at(pos)
+            h64[b + i] = pos
+            h64[2 * b + i] = blocks[pos // bs] * bs + pos % bs
+            h32[i] = pos + 1
+            table[i, : len(blocks)] = blocks
+        # padding rows: token 0 at position 0, no KV write, no context (never read: no keys)
+        h64[n:b] = 0
+        h64[b + n : 2 * b] = 0
+        h64[2 * b + n : 3 * b] = -1
+        h32[n:b] = 0
+
+    def _fill_lora(
+        self, inputs: _StaticInputs, segments: list[tuple[int, list[int]]], cap: int, null_slot: int
+    ) -> None:
+        b, h64 = inputs.batch, inputs.h64
+        perm, slots, offsets = 3 * b, 4 * b, 5 * b
+        pos = 0
+        h64[offsets] = 0
+        for s, (slot, rows) in enumerate(segments):
+            h64[perm + pos : perm + pos + len(rows)] = rows
+            pos += len(rows)
+            h64[slots + s] = slot
+            h64[offsets + s + 1] = pos
+        k = len(segments)
+        h64[slots + k : slots + cap] = null_slot  # empty segments on the null slot (rank 0)
+        h64[offsets + k + 1 : offsets + cap + 1] = pos
+
+    # --- device side ----------------------------------------------------------------------------
+
+    def _inputs_for(self, b: int) -> _StaticInputs:
+        if b not in self._inputs:
+            self._inputs[b] = _StaticInputs(b, self.width, self.device)
+        return self._inputs[b]
+
+    def _forward(self, inputs: _StaticInputs, captured: _Captured) -> torch.Tensor:
+        meta = captured.lora_meta
+        lora = LoRAStep(meta, self.lora_table, self.lora_backend) if meta is not None else None
+        hidden = self.model(inputs.ids, captured.attn, self.kv.k, self.kv.v, lora)
+        return self.model.logits(hidden).float()
+
+    def _record(self, key: GraphKey, inputs: _StaticInputs) -> _Captured:
+        b = key.batch
+        # the decode launch is sized for the longest context any replay may have
+        attn = replace(inputs.attn, max_context_len=self.max_model_len)
+        meta = None
+        if key.lora is not None:
+            cap, block_r = key.lora
+            meta = LoRABatchMetadata(
+                num_rows=b,
+                row_perm=inputs.row_perm,
+                seg_offsets=inputs.seg_offsets[: cap + 1],
+                seg_slots=inputs.seg_slots[:cap],
+                seg_offsets_host=(),
+                seg_slots_host=(),
+                active_groups=self._all_groups,
+                static=StaticLoRAShape(rows=b, segments=cap, block_r=block_r, max_rows=SEGMENT_ROWS),
+            )
+        captured = _Captured(attn, meta, None, None)
+        if self.capture:
+            captured.graph, captured.logits = self._capture(inputs, captured, key)
+            self.captures += 1
+        self._graphs[key] = captured
+        return captured
+
+    def _capture(
+        self, inputs: _StaticInputs, captured: _Captured, key: GraphKey
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Record with an all-padding step (no KV writes, empty LoRA segments on the null slot), so
+        # the warm-up and the capture itself change no state.
+        b = inputs.batch
+        inputs.h64[:] = 0
+        inputs.h64[2 * b : 3 * b] = -1
+        inputs.h32[:b] = 0
+        if key.lora is not None:
+            _, null_slot = self.lora_backend.graph_epoch(self.lora_table, self.device)
+            self._fill_lora(inputs, [], key.lora[0], null_slot)
+        inputs.upload()
+        # Warm up outside the capture (kernel compilation, fused-launch plans, lazy buffers).
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(inputs, captured)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(inputs, captured)
+        return graph, logits
+

@@ -1,0 +1,90 @@
+"""Decode steps on the static (CUDA-graph) buffers, run eagerly on the CPU, against the plain
+eager engine: padding up to a bucket, LoRA segments cut to one row tile and padded, the batch
+shrinking as requests finish (other buckets, other mappings), steps too large for the graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
+
+from loraplex import LLM, SamplingParams
+from loraplex.engine.cuda_graphs import SEGMENT_ROWS, StaticDecodeRunner, batch_bucket
+
+ADAPTERS = {
+    "r8": (8, ["q_proj", "v_proj"]),
+    "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "r4": (4, ["gate_proj", "down_proj"]),
+}
+
+
+def _llms(tmp_path: Path, max_batch: int) -> tuple[LLM, LLM]:
+    hf = build_hf_model("llama", seed=3)
+    model_dir = save_hf_model(hf, tmp_path / "base")
+    paths = {
+        name: make_peft_adapter(hf, tmp_path / name, r=r, target_modules=t, seed=70 + i)
+        for i, (name, (r, t)) in enumerate(ADAPTERS.items())
+    }
+    llms = (LLM(model_dir, max_num_batched_tokens=4096), LLM(model_dir, max_num_batched_tokens=4096))
+    for llm in llms:
+        for name, path in paths.items():
+            llm.register_adapter(name, path)
+    e = llms[1].engine
+    e.runner.static_decode = StaticDecodeRunner(
+        e.model, e.kv, e.lora_table, e.lora_backend, e.device, max_batch, e.max_model_len, capture=False
+    )
+    return llms
+
+
+def test_batch_buckets() -> None:
+    assert [batch_bucket(n, 256) for n in (1, 3, 5, 17, 33, 64, 65, 200, 256)] == [
+        1, 4, 8, 24, 48, 64, 96, 224, 256,
+    ]  # fmt: skip
+    assert batch_bucket(0, 64) is None and batch_bucket(65, 64) is None
+    assert batch_bucket(40, 40) == 40  # the configured maximum caps a bucket
+
+
+def test_static_decode_matches_eager(tmp_path: Path) -> None:
+    eager, static = _llms(tmp_path, max_batch=24)
+    g = torch.Generator().manual_seed(11)
+    # 26 requests (more than the graphs' 24, so the first decode steps run eagerly), 18 rows of
+    # one adapter (cut into two segments), every request a different length so the batch shrinks
+    # one request at a time through several buckets and mappings.
+    adapters = ["r16"] * (SEGMENT_ROWS + 2) + [None, "r8", "r4", None, "r8", "r4", None, "r8"]
+    prompts = [torch.randint(3, 97, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (26,))]
+    params = [
+        SamplingParams(max_tokens=4 + i, temperature=0.0, logprobs=2, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    out_eager = eager.generate(prompts, params, adapters=adapters)
+    out_static = static.generate(prompts, params, adapters=adapters)
+    runner = static.engine.runner.static_decode
+    assert runner is not None and runner.replays >= 20
+    assert {k.batch for k in runner._graphs} >= {24, 16, 8}  # several buckets were used
+    assert any(k.lora and k.lora[0] >= 4 for k in runner._graphs)  # 4+ segments: the cut r16 rows
+    for i, (a, b) in enumerate(zip(out_eager, out_static, strict=True)):
+        assert a.token_ids == b.token_ids, f"request {i} ({adapters[i]})"
+        for lpa, lpb in zip(a.logprobs, b.logprobs, strict=True):
+            assert lpa.keys() == lpb.keys()
+            for t in lpa:
+                assert lpa[t] == pytest.approx(lpb[t], abs=1e-5), (i, t)
+    static.engine.check_integrity()
+
+
+def test_static_steps_are_reported(tmp_path: Path) -> None:
+    _, static = _llms(tmp_path, max_batch=8)
+    e = static.engine
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i, name in enumerate(["r8", None, "r16"]):
+        e.add_request(f"q{i}", [5, 6, 7], params, name)
+    kinds = []
+    while e.has_unfinished():
+        e.step()
+        assert e.last_stats is not None
+        kinds.append((e.last_stats.num_decode_rows, e.last_stats.static_replay))
+    assert kinds[0] == (0, False)  # the prefill step runs eagerly
+    assert all(replay for _, replay in kinds[1:]) and len(kinds) == 3
+    assert e.last_stats.num_lora_segments == 2  # distinct adapters, not the cut/padded segments
+    assert e.graph_replays == 0  # no CUDA graphs on the CPU: the metric counts only real replays
