@@ -14,7 +14,15 @@ DEFAULT_ENGINE_OUT = Path("bench-results/engine")
 def _kernels(args: argparse.Namespace) -> int:
     from loraplex.bench.kernels import run  # lazy: torch.cuda work and triton only when asked
 
-    report = run(args.out, quick=args.quick, reps=args.reps, warmup=args.warmup, sweep=not args.no_sweep)
+    variants = set(args.variants.split(",")) if args.variants else None
+    report = run(
+        args.out,
+        quick=args.quick,
+        reps=args.reps,
+        warmup=args.warmup,
+        sweep=not args.no_sweep,
+        variants=variants,
+    )
     for t in report["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['name']}: {t['value']:.3f} ({t['threshold']})")
     print(f"wrote {args.out}/kernels.json, kernels.md, kernels.png")
@@ -34,6 +42,7 @@ def _engine(args: argparse.Namespace) -> int:
         rank=args.rank,
         steps=args.steps,
         profile=args.profile or None,
+        graphs=False if args.no_graphs else None,
     )
     report = run(bench_args, args.out)
     for name, value in summary_rows(report):
@@ -51,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--reps", type=int, default=40, help="timed runs per measurement (median)")
     k.add_argument("--warmup", type=int, default=5)
     k.add_argument("--no-sweep", action="store_true", help="skip the tiling comparison")
+    k.add_argument("--variants", help="comma-separated tiling variants to sweep (default: all)")
     k.set_defaults(run=_kernels)  # the main CLI dispatches on `args.run`
     e = sub.add_parser("engine", help="decode step of the whole engine vs its bandwidth floor")
     e.add_argument("--device", default="cuda", help="cuda or cpu")
@@ -62,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--rank", type=int, help="adapter rank (default 16, tiny 8)")
     e.add_argument("--steps", type=int, help="timed decode steps, median (default 50, tiny 10)")
     e.add_argument("--profile", action="store_true", help="write torch.profiler tables of a few steps")
+    e.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)
 

@@ -28,7 +28,14 @@ from typing import Any
 import torch
 
 from loraplex.adapters.peft_import import LAYOUT_VERSION, MANIFEST_FORMAT, ImportedAdapter
-from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.config import (
+    CacheConfig,
+    EngineConfig,
+    GraphConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from loraplex.engine.engine import Engine
 from loraplex.lora.layout import TARGETS
 from loraplex.lora.weights import AdapterWeights, LoRAPair
@@ -55,6 +62,7 @@ class EngineBenchArgs:
     steps: int = 50
     seed: int = 0
     profile: bool = False  # also profile a few decode steps per mode (torch.profiler tables)
+    graphs: bool = True  # decode steps as CUDA-graph replays (the engine's default on CUDA)
 
     @classmethod
     def preset(cls, tiny: bool, **overrides: Any) -> EngineBenchArgs:
@@ -210,6 +218,7 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
     for _ in range(WARMUP_STEPS):
         engine.step()
     tokens_before = sum(len(engine.output(r).prompt_token_ids) + len(engine.output(r).token_ids) for r in ids)
+    replays0 = engine.graph_replays
     times = []
     for _ in range(args.steps):
         _sync(engine.device)
@@ -221,6 +230,9 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
         if len(deltas) != args.batch or stats is None or stats.num_prefill_rows:
             raise RuntimeError(f"{mode}: a timed step was not a pure decode step of the whole batch")
     calls = engine.lora_backend.total_calls - calls0
+    replays = engine.graph_replays - replays0
+    if args.graphs and engine.device.type == "cuda" and replays != args.steps:
+        raise RuntimeError(f"{mode}: {replays} of {args.steps} timed steps were CUDA-graph replays")
     profile = _profile_steps(engine) if args.profile else None
     for rid in ids:
         engine.abort(rid)
@@ -232,6 +244,7 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
         "step_ms_all": [t * 1e3 for t in times],
         "fill_steps": fill_steps,
         "lora_calls": calls,
+        "graph_replays": replays,
         "kv_tokens_per_step": kv_tokens_per_step,
         "profile": profile,
     }
@@ -281,6 +294,7 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         ),
         lora=LoRAConfig(max_rank=max(64, args.rank)),
         scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch)),
+        graphs=GraphConfig(cuda_graph_max_batch=args.batch if args.graphs else 0),
     )
     engine = Engine(config, model=model)
 
@@ -390,7 +404,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Device: {report['device']}; torch {report['torch']}; bf16 random weights, "
         f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}.",
         f"Batch {a['batch']}, context {a['context']}, {a['adapters']} distinct adapters of rank {a['rank']} "
-        f"on all seven targets (round-robin); median of {a['steps']} timed decode steps of `Engine.step()`.",
+        f"on all seven targets (round-robin); median of {a['steps']} timed decode steps of `Engine.step()`"
+        f" ({'CUDA-graph replays' if a.get('graphs', True) else 'eager, no CUDA graphs'}).",
         "",
         "| quantity | value |",
         "| --- | ---: |",

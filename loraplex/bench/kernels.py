@@ -48,6 +48,16 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode stages=4": with_overrides(DECODE, fused_stages=4),
     "decode fused any rank": with_overrides(DECODE, fused_max_rank=64),
     "decode two-launch": with_overrides(DECODE, fused=False),
+    # one launch, no shrink -> expand hand-off (triton_decode_kernel), and its tile choices
+    "recompute": with_overrides(DECODE, recompute=True),
+    "recompute k128": with_overrides(DECODE, recompute=True, recompute_block_k=128),
+    "recompute k512": with_overrides(DECODE, recompute=True, recompute_block_k=512),
+    "recompute k1024": with_overrides(DECODE, recompute=True, recompute_block_k=1024, recompute_stages=2),
+    "recompute cols512": with_overrides(DECODE, recompute=True, recompute_cols=512),
+    "recompute cols2048": with_overrides(DECODE, recompute=True, recompute_cols=2048),
+    "recompute n256": with_overrides(DECODE, recompute=True, recompute_block_n=256),
+    "recompute stages3": with_overrides(DECODE, recompute=True, recompute_stages=3),
+    "recompute warps8": with_overrides(DECODE, recompute=True, recompute_warps=8),
     "prefill": PREFILL,
 }
 TILING_CASES = (
@@ -180,7 +190,15 @@ def evaluate_targets(results: list[dict], copy_bw: float, mm_rate: float) -> lis
     return out
 
 
-def run(out_dir: Path, quick: bool = False, reps: int = 40, warmup: int = 5, sweep: bool = True) -> dict:
+def run(
+    out_dir: Path,
+    quick: bool = False,
+    reps: int = 40,
+    warmup: int = 5,
+    sweep: bool = True,
+    variants: set[str] | None = None,
+) -> dict:
+    """variants: the tiling variants the sweep times (None: all of TILING_VARIANTS)."""
     import triton
 
     from loraplex.bench.report import write_report
@@ -222,6 +240,8 @@ def run(out_dir: Path, quick: bool = False, reps: int = 40, warmup: int = 5, swe
     if sweep:
         for case in TILING_CASES:
             for name, tiling in TILING_VARIANTS.items():
+                if variants is not None and name not in variants:
+                    continue
                 if case.phase == "prefill" and name not in ("decode", "prefill"):
                     continue  # the decode variants differ only where the fused path applies
                 try:

@@ -151,10 +151,7 @@ class StaticDecodeRunner:
     def can_run(self, plan: StepPlan) -> bool:
         if batch_bucket(len(plan.chunks), self.max_batch) is None:
             return False
-        for c in plan.chunks:
-            if c.num_tokens != 1 or not c.completes:
-                return False
-        return True
+        return all(c.num_tokens == 1 and c.completes for c in plan.chunks)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, int]:
@@ -306,4 +303,3 @@ class StaticDecodeRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(inputs, captured)
         return graph, logits
-

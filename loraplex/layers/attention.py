@@ -103,7 +103,6 @@ class AttentionMetadata:
             **kernel_fields,
         )
 
-
     def live(self, block_size: int) -> AttentionMetadata:
         """Plain metadata of what a static step's device tensors hold now (a host sync), for the
         torch reference."""

@@ -45,6 +45,16 @@ class LoRATiling:
     # the next call may start once all of this one's programs have started (else: once all are
     # past their waits, i.e. only the expand tail is left)
     pdl_early: bool = False
+    # One launch without a shrink -> expand hand-off (`triton_decode_kernel`): each program
+    # recomputes its segment's H, then expands its own column chunk. Taken before the fused path
+    # when every segment fits in one row tile and the rank tile is at most recompute_max_rank.
+    recompute: bool = False
+    recompute_max_rank: int = 64
+    recompute_block_k: int = 256
+    recompute_block_n: int = 128
+    recompute_cols: int = 1024  # columns per program (fewer when the grid would not fill the GPU)
+    recompute_warps: int = 4
+    recompute_stages: int = 4
 
 
 DECODE = LoRATiling("decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True)
@@ -141,6 +151,22 @@ def plan_fused(
                 padded = (chunks + [0, 0, 0])[:3]
                 return FusedPlan(split, block_n, n_sub, (padded[0], padded[1], padded[2]), n_shrink, n_expand)
     return None
+
+
+def recompute_chunks(
+    tiling: LoRATiling, widths: tuple[int, ...], segments: int, num_sms: int
+) -> tuple[int, ...]:
+    """Column chunks per slice for the recompute kernel, as BLOCK_N tiles per program (n_sub) and
+    the chunk count of each slice: start from `recompute_cols` columns per program and halve while
+    the grid has fewer than two programs per SM (each program re-reads its slice's A from L2, so
+    no more programs than that)."""
+    n_sub = max(1, tiling.recompute_cols // tiling.recompute_block_n)
+    while True:
+        cols = n_sub * tiling.recompute_block_n
+        chunks = tuple(_cdiv(w, cols) for w in widths)
+        if n_sub == 1 or segments * sum(chunks) >= 2 * num_sms:
+            return (n_sub, *chunks)
+        n_sub //= 2
 
 
 def with_overrides(tiling: LoRATiling, **kw: int) -> LoRATiling:

@@ -32,7 +32,9 @@ def _engine(tmp_path: Path, device: str):  # noqa: ANN202
     dtype = "bfloat16" if device == "cuda" else "float32"
     llm = LLM(model_dir, dtype=dtype, device=device, max_num_batched_tokens=4096)
     for i, (name, (r, targets)) in enumerate(ADAPTERS.items()):
-        llm.register_adapter(name, make_peft_adapter(hf, tmp_path / name, r=r, target_modules=targets, seed=90 + i))
+        llm.register_adapter(
+            name, make_peft_adapter(hf, tmp_path / name, r=r, target_modules=targets, seed=90 + i)
+        )
     e = llm.engine
     if device == "cpu":
         e.runner.static_decode = StaticDecodeRunner(
@@ -96,4 +98,3 @@ def test_replay_reads_live_mapping_and_weights(tmp_path: Path, device: str) -> N
     assert static.captures == captures  # every replay above reused the first step's graph
     if device == "cuda":
         assert captures >= 1 and static.replays >= 3
-

@@ -35,6 +35,10 @@ SMALL_PREFILL = with_overrides(PREFILL, block_m=16, block_k=16, block_n=32, n_ch
 FUSED_DECODE = with_overrides(
     DECODE, block_k=16, fused_block_n=16, fused_tile_elems=256, fused_per_sm=64, fused_max_rank=64
 )
+# The hand-off-free decode kernel at small sizes: K in 16-wide tiles, 32 columns per program.
+RECOMPUTE_DECODE = with_overrides(
+    DECODE, recompute=True, recompute_block_k=16, recompute_block_n=16, recompute_cols=32
+)
 CPU = torch.device("cpu")
 
 
@@ -261,7 +265,9 @@ def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> Lo
     )
 
 
-@pytest.mark.parametrize("tiling", [FUSED_DECODE, SPLIT_DECODE], ids=["fused", "two-launch"])
+@pytest.mark.parametrize(
+    "tiling", [FUSED_DECODE, SPLIT_DECODE, RECOMPUTE_DECODE], ids=["fused", "two-launch", "recompute"]
+)
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
     # adapter 1 adapts only q and up: the static launch covers every slice, rank 0 elsewhere
     table = make_table([16, 8, 16], DTYPE, "cpu", seed=8, targets=[None, ("q", "up"), None])
@@ -299,3 +305,23 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
     # A slot beyond the tables' capacity reallocates them: a new epoch tells graphs to recapture.
     table.set(dev.n_slots + 3, make_table([8], DTYPE, "cpu", seed=12).weights(0))
     assert be.graph_epoch(table, CPU)[0] == epoch + 1
+
+
+@pytest.mark.parametrize("popularity", POPULARITIES)
+def test_recompute_decode_kernel(popularity: str) -> None:
+    # mixed ranks (rank tile 64), segments of one to 16 rows, a base row, partial targets
+    ranks = random_ranks(6, (8, 16, 32, 64), seed=21)
+    targets = [None, ("q", "up"), None, ("k", "v", "down"), None, ("o",)]
+    table = make_table(ranks, DTYPE, "cpu", seed=22, targets=targets)
+    slots = adapter_choices(16, len(ranks), popularity, seed=23)
+    slots[7] = -1
+    be = _backend(RECOMPUTE_DECODE)
+    _check_all_groups(be, slots, table)
+    assert be._dk is not None  # the recompute kernel ran (not the fused or two-launch path)
+
+
+def test_recompute_is_skipped_for_long_segments() -> None:
+    table = make_table([16, 8], DTYPE, "cpu", seed=24)
+    be = _backend(RECOMPUTE_DECODE)
+    _check_all_groups(be, [0] * 17 + [1, 1], table)  # 17 rows: two row tiles, the other paths
+    assert be._dk is None
