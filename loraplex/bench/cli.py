@@ -43,6 +43,7 @@ def _engine(args: argparse.Namespace) -> int:
         steps=args.steps,
         profile=args.profile or None,
         graphs=False if args.no_graphs else None,
+        lora_tiling=args.lora_tiling,
     )
     report = run(bench_args, args.out)
     for name, value in summary_rows(report):
@@ -73,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--steps", type=int, help="timed decode steps, median (default 50, tiny 10)")
     e.add_argument("--profile", action="store_true", help="write torch.profiler tables of a few steps")
     e.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+    e.add_argument(
+        "--lora-tiling", help="LoRA kernel tiling variant (see `bench kernels`; default: per step)"
+    )
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)
 

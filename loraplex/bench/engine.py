@@ -63,6 +63,7 @@ class EngineBenchArgs:
     seed: int = 0
     profile: bool = False  # also profile a few decode steps per mode (torch.profiler tables)
     graphs: bool = True  # decode steps as CUDA-graph replays (the engine's default on CUDA)
+    lora_tiling: str | None = None  # a `bench kernels` tiling variant for the LoRA kernels (None: default)
 
     @classmethod
     def preset(cls, tiny: bool, **overrides: Any) -> EngineBenchArgs:
@@ -233,7 +234,7 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
     replays = engine.graph_replays - replays0
     if args.graphs and engine.device.type == "cuda" and replays != args.steps:
         raise RuntimeError(f"{mode}: {replays} of {args.steps} timed steps were CUDA-graph replays")
-    profile = _profile_steps(engine) if args.profile else None
+    profile = _host_breakdown(engine) + "\n\n" + _profile_steps(engine) if args.profile else None
     for rid in ids:
         engine.abort(rid)
         engine.release(rid)
@@ -248,6 +249,31 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
         "kv_tokens_per_step": kv_tokens_per_step,
         "profile": profile,
     }
+
+
+def _host_breakdown(engine: Engine, steps: int = 10) -> str:
+    """Where a decode step's wall time goes, without a profiler (which slows graph launches):
+    the step's parts timed with perf_counter, the device synchronized only after the forward's
+    launch returned (so `device wait` is GPU time the host did not cover)."""
+    parts: dict[str, list[float]] = {
+        k: [] for k in ("schedule", "forward launch", "device wait", "sample+post")
+    }
+    for _ in range(steps):
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        plan = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        result = engine.runner.run(plan)
+        t2 = time.perf_counter()
+        _sync(engine.device)
+        t3 = time.perf_counter()
+        engine._postprocess(plan, result)
+        t4 = time.perf_counter()
+        for k, a, b in zip(parts, (t0, t1, t2, t3), (t1, t2, t3, t4), strict=True):
+            parts[k].append((b - a) * 1e3)
+    return "host breakdown of a decode step (median ms): " + ", ".join(
+        f"{k} {statistics.median(v):.3f}" for k, v in parts.items()
+    )
 
 
 def _profile_steps(engine: Engine, steps: int = 3) -> str:
@@ -297,6 +323,12 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         graphs=GraphConfig(cuda_graph_max_batch=args.batch if args.graphs else 0),
     )
     engine = Engine(config, model=model)
+    if args.lora_tiling is not None:
+        from loraplex.bench.kernels import TILING_VARIANTS
+
+        if args.lora_tiling not in TILING_VARIANTS:
+            raise SystemExit(f"unknown LoRA tiling {args.lora_tiling!r}; known: {', '.join(TILING_VARIANTS)}")
+        engine.lora_backend.tiling = TILING_VARIANTS[args.lora_tiling]
 
     t0 = time.perf_counter()
     names = []

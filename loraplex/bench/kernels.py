@@ -42,22 +42,17 @@ DTYPE = torch.bfloat16
 MAX_ADAPTERS = 64
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
-    "decode": DECODE,  # one launch per group (fused) for rank tiles <= 16, programmatic dependent launch
+    "decode": DECODE,  # one launch per group (fused, streamed expands) for rank tiles <= 16, PDL
     "decode no-pdl": with_overrides(DECODE, pdl=False),
     "decode pdl-early": with_overrides(DECODE, pdl_early=True),
     "decode stages=4": with_overrides(DECODE, fused_stages=4),
     "decode fused any rank": with_overrides(DECODE, fused_max_rank=64),
     "decode two-launch": with_overrides(DECODE, fused=False),
-    # one launch, no shrink -> expand hand-off (triton_decode_kernel), and its tile choices
-    "recompute": with_overrides(DECODE, recompute=True),
-    "recompute k128": with_overrides(DECODE, recompute=True, recompute_block_k=128),
-    "recompute k512": with_overrides(DECODE, recompute=True, recompute_block_k=512),
-    "recompute k1024": with_overrides(DECODE, recompute=True, recompute_block_k=1024, recompute_stages=2),
-    "recompute cols512": with_overrides(DECODE, recompute=True, recompute_cols=512),
-    "recompute cols2048": with_overrides(DECODE, recompute=True, recompute_cols=2048),
-    "recompute n256": with_overrides(DECODE, recompute=True, recompute_block_n=256),
-    "recompute stages3": with_overrides(DECODE, recompute=True, recompute_stages=3),
-    "recompute warps8": with_overrides(DECODE, recompute=True, recompute_warps=8),
+    # expand programs per call: all resident at once (the tiles per program grow to fit), or more
+    # tiles per streamed program
+    "decode all-resident": with_overrides(DECODE, fused_expand_sub=0),
+    "decode stream2": with_overrides(DECODE, fused_expand_sub=2),
+    "decode stream4": with_overrides(DECODE, fused_expand_sub=4),
     "prefill": PREFILL,
 }
 TILING_CASES = (

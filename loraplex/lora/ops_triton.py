@@ -27,7 +27,6 @@ from loraplex.lora.triton_config import (
     blocks_per_sm,
     pick_tiling,
     plan_fused,
-    recompute_chunks,
     split_k,
 )
 from loraplex.lora.triton_table import GroupTables, LoRADeviceTable, target_bit
@@ -62,7 +61,6 @@ class TritonLoRABackend:
         from loraplex.lora import triton_kernels  # lazy: needs triton
 
         self._k = triton_kernels
-        self._dk = None  # triton_decode_kernel, imported on first use
         self.tiling = tiling  # None: pick per step from the segment lengths
         # Tests set this: the scratch H is filled with NaN first (one extra launch), so a block the
         # shrink kernel failed to write poisons the output instead of passing by luck.
@@ -185,10 +183,6 @@ class TritonLoRABackend:
         w_align = 16 // dev.base.element_size()
 
         k = self._k
-        if tiling.recompute and row_tiles == 1 and step.block_r <= tiling.recompute_max_rank:
-            self._launch_recompute(y, x, meta, dev, tabs, tiling, step, slice_mask, slice_offsets, cols)
-            self.calls[group] += 1
-            return
         r_chunks = step.block_r // min(step.block_r, tiling.shrink_block_r)
         tiles = n_segs * row_tiles
         if (
@@ -221,43 +215,6 @@ class TritonLoRABackend:
             num_warps=tiling.expand_warps, num_stages=tiling.expand_stages,
         )  # fmt: skip
         self.calls[group] += 1
-
-    def _launch_recompute(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        meta: LoRABatchMetadata,
-        dev: LoRADeviceTable,
-        tabs: GroupTables,
-        tiling: LoRATiling,
-        step: _StepInfo,
-        slice_mask: int,
-        slice_offsets: Sequence[int],
-        cols: list[int],
-    ) -> None:
-        """One launch, no hand-off between programs (`triton_decode_kernel`); every segment fits
-        in one row tile."""
-        if self._dk is None:
-            from loraplex.lora import triton_decode_kernel  # lazy: needs triton
-
-            self._dk = triton_decode_kernel
-        n_slices = len(slice_offsets) - 1
-        widths = tuple(
-            slice_offsets[i + 1] - slice_offsets[i] if slice_mask >> i & 1 else 0 for i in range(n_slices)
-        )
-        n_sub, *chunks = recompute_chunks(tiling, widths, meta.num_segments, self._num_sms(x.device))
-        chunks += [0] * (3 - len(chunks))
-        d_in = x.shape[1]
-        self._dk.lora_decode_kernel[self._dk.decode_grid(meta.num_segments, sum(chunks))](
-            y, x, dev.base, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.b_offs,
-            tabs.ranks, tabs.scales, dev.n_slots, d_in, x.stride(0), y.stride(0), *cols,
-            chunks[0], chunks[0] + chunks[1],
-            N_SLICES=n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
-            COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_M=tiling.block_m,
-            BLOCK_K=tiling.recompute_block_k, BLOCK_R=step.block_r, BLOCK_N=tiling.recompute_block_n,
-            N_SUB=n_sub, K_TILES=_cdiv(d_in, tiling.recompute_block_k),
-            num_warps=tiling.recompute_warps, num_stages=tiling.recompute_stages,
-        )  # fmt: skip
 
     def _scratch(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         h = torch.empty(shape, dtype=torch.float32, device=device)
@@ -344,7 +301,7 @@ class TritonLoRABackend:
             for _ in range(3):  # the program's resources depend a little on the plan's tile counts
                 pos, kw = args(plan)
                 occ = self._programs_per_sm(kernel.warmup(*pos, grid=(plan.programs,), **kw), x.device)
-                fits = plan.programs <= occ * sms
+                fits = plan.resident <= occ * sms
                 per_sm = min(per_sm - 1, occ) if not fits else per_sm
                 if fits or per_sm < 1:
                     break

@@ -37,6 +37,12 @@ class LoRATiling:
     fused_tile_elems: int = 4096  # expand: most elements of one B tile (block_r x block_n)
     fused_per_sm: int = 6  # fused grid budget: programs per SM (checked against the compiled kernel)
     fused_max_sub: int = 64  # expand: most tiles per program
+    # 0: every program of the fused grid resident at once (expand tiles per program grow until the
+    # grid fits). > 0: each expand program takes this many tiles and only the shrink programs must
+    # fit at once; expand programs past the resident set start as earlier programs finish. Safe
+    # because programs are dispatched in launch order and shrink programs come first and never
+    # wait, so every program an expand program waits for is already resident.
+    fused_expand_sub: int = 0
     fused_warps: int = 4
     fused_stages: int = 3
     # Programmatic dependent launch: a fused call may start (metadata and weight loads) while the
@@ -45,19 +51,9 @@ class LoRATiling:
     # the next call may start once all of this one's programs have started (else: once all are
     # past their waits, i.e. only the expand tail is left)
     pdl_early: bool = False
-    # One launch without a shrink -> expand hand-off (`triton_decode_kernel`): each program
-    # recomputes its segment's H, then expands its own column chunk. Taken before the fused path
-    # when every segment fits in one row tile and the rank tile is at most recompute_max_rank.
-    recompute: bool = False
-    recompute_max_rank: int = 64
-    recompute_block_k: int = 256
-    recompute_block_n: int = 128
-    recompute_cols: int = 1024  # columns per program (fewer when the grid would not fill the GPU)
-    recompute_warps: int = 4
-    recompute_stages: int = 4
 
 
-DECODE = LoRATiling("decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True)
+DECODE = LoRATiling("decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1)
 PREFILL = LoRATiling("prefill", 64, 64, 16, 128, 256, 4, 3, 4, 3, 4)
 TILINGS = {t.name: t for t in (DECODE, PREFILL)}
 
@@ -104,9 +100,16 @@ class FusedPlan:
     n_shrink: int
     n_expand: int
 
+    streamed: bool = False  # expand programs need not be resident at once (fused_expand_sub > 0)
+
     @property
     def programs(self) -> int:
         return self.n_shrink + self.n_expand
+
+    @property
+    def resident(self) -> int:
+        """Programs that must be resident at once for the launch to be deadlock-free."""
+        return self.n_shrink if self.streamed else self.programs
 
 
 def plan_fused(
@@ -142,6 +145,15 @@ def plan_fused(
         chunk = _cdiv(_cdiv(d_in, n_split), tiling.block_k) * tiling.block_k
         split = ShrinkSplit(_cdiv(d_in, chunk), chunk)
         n_shrink = tiles * r_chunks * split.n_split
+        if tiling.fused_expand_sub > 0:
+            if n_shrink > budget:
+                continue
+            n_sub = tiling.fused_expand_sub
+            chunks = [_cdiv(t, n_sub) for t in n_tiles]
+            padded = (chunks + [0, 0, 0])[:3]
+            return FusedPlan(
+                split, block_n, n_sub, (padded[0], padded[1], padded[2]), n_shrink, tiles * sum(chunks), True
+            )
         for n_sub in range(1, tiling.fused_max_sub + 1):
             chunks = [_cdiv(t, n_sub) for t in n_tiles]
             n_expand = tiles * sum(chunks)
@@ -151,22 +163,6 @@ def plan_fused(
                 padded = (chunks + [0, 0, 0])[:3]
                 return FusedPlan(split, block_n, n_sub, (padded[0], padded[1], padded[2]), n_shrink, n_expand)
     return None
-
-
-def recompute_chunks(
-    tiling: LoRATiling, widths: tuple[int, ...], segments: int, num_sms: int
-) -> tuple[int, ...]:
-    """Column chunks per slice for the recompute kernel, as BLOCK_N tiles per program (n_sub) and
-    the chunk count of each slice: start from `recompute_cols` columns per program and halve while
-    the grid has fewer than two programs per SM (each program re-reads its slice's A from L2, so
-    no more programs than that)."""
-    n_sub = max(1, tiling.recompute_cols // tiling.recompute_block_n)
-    while True:
-        cols = n_sub * tiling.recompute_block_n
-        chunks = tuple(_cdiv(w, cols) for w in widths)
-        if n_sub == 1 or segments * sum(chunks) >= 2 * num_sms:
-            return (n_sub, *chunks)
-        n_sub //= 2
 
 
 def with_overrides(tiling: LoRATiling, **kw: int) -> LoRATiling:

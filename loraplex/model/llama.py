@@ -14,6 +14,7 @@ from torch import nn
 
 from loraplex.config import ModelConfig
 from loraplex.layers.attention import AttentionMetadata, paged_attention
+from loraplex.layers.fused import fused_ops, use_fused
 from loraplex.layers.linear import ColumnParallelLinear, LoRAStep, RowParallelLinear
 from loraplex.layers.norm import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding
@@ -64,10 +65,9 @@ class Attention(nn.Module):
         q = qkv[:, :q_size].reshape(t, self.n_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(t, self.n_kv, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(t, self.n_kv, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(attn.positions, q, k)
-        o = paged_attention(q, k, v.contiguous(), k_cache, v_cache, attn, self.scale, self.sliding_window)
+        q, k = rotary(attn.positions, q, k, attn.max_context_len, self.q_norm, self.k_norm)
+        # v stays a strided view of qkv: both attention paths read it in place (no copy kernel)
+        o = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, q_size), lora)
 
 
@@ -97,7 +97,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)
-        h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        if use_fused(gate_up):
+            h = fused_ops().silu_mul(gate_up)
+        else:
+            h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         return self.down_proj(h, lora)
 
 
@@ -111,15 +114,25 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: RotaryEmbedding,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
         lora: LoRAStep | None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, k_cache, v_cache, attn, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream entering this layer is hidden + residual (just hidden for the first
+        layer, residual None). Returns (MLP output, residual stream before it): the add is left to
+        the next norm, which fuses it (on CUDA updating `residual` in place)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_add(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, k_cache, v_cache, attn, lora)
+        hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
+        return self.mlp(hidden, lora), residual
 
 
 class LlamaFamilyModel(nn.Module):
@@ -132,7 +145,7 @@ class LlamaFamilyModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -153,15 +166,17 @@ class LlamaFamilyModel(nn.Module):
         hidden_capture, if given, receives the residual stream entering each layer i (key i) and
         the final normed output (key num_layers), for layer-by-layer comparisons.
         """
-        x = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             if hidden_capture is not None:
-                hidden_capture[i] = x
-            x = layer(x, self.rotary, k_caches[i], v_caches[i], attn, lora)
-        x = self.norm(x)
+                # fresh tensors: the fused norms update the residual stream in place
+                hidden_capture[i] = hidden.clone() if residual is None else hidden + residual
+            hidden, residual = layer(hidden, residual, self.rotary, k_caches[i], v_caches[i], attn, lora)
+        hidden = self.norm(hidden) if residual is None else self.norm.forward_add(hidden, residual)[0]
         if hidden_capture is not None:
-            hidden_capture[len(self.layers)] = x
-        return x
+            hidden_capture[len(self.layers)] = hidden
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from loraplex.lora.backend import make_lora_backend
@@ -48,13 +49,18 @@ def test_tiling_choice_and_split() -> None:
     assert s.n_split == DECODE.max_split and (s.n_split - 1) * s.k_chunk < 14336
 
 
-def test_fused_plan_fits_the_budget_and_covers_every_column() -> None:
+@pytest.mark.parametrize("expand_sub", [0, 1, 2], ids=["all-resident", "streamed1", "streamed2"])
+def test_fused_plan_fits_the_budget_and_covers_every_column(expand_sub: int) -> None:
     llama = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+    tiling = with_overrides(DECODE, fused_expand_sub=expand_sub)
     for tiles, block_r in ((1, 16), (32, 16), (32, 64), (64, 16), (128, 32)):
         r_chunks = block_r // DECODE.shrink_block_r
         for d_in, widths in llama.values():
-            plan = plan_fused(DECODE, tiles, r_chunks, d_in, widths, block_r, num_sms=132)
-            assert plan is not None and plan.programs <= 132 * DECODE.fused_per_sm
+            plan = plan_fused(tiling, tiles, r_chunks, d_in, widths, block_r, num_sms=132)
+            assert plan is not None and plan.resident <= 132 * DECODE.fused_per_sm
+            # all resident: every program at once; streamed: only the shrinks (expands start later)
+            assert plan.resident == (plan.n_shrink if expand_sub else plan.programs)
+            assert not expand_sub or plan.n_sub == expand_sub
             assert plan.n_shrink == tiles * r_chunks * plan.split.n_split
             n, k = plan.split.n_split, plan.split.k_chunk
             assert n * k >= d_in > (n - 1) * k
@@ -64,10 +70,10 @@ def test_fused_plan_fits_the_budget_and_covers_every_column() -> None:
                 assert c * cols >= w > (c - 1) * cols  # every column once, no idle program
             assert plan.n_expand == tiles * sum(plan.chunks)
     # a slice nobody adapts (width 0) gets no expand programs
-    plan = plan_fused(DECODE, 8, 1, 4096, (4096, 0, 1024), 16, num_sms=132)
+    plan = plan_fused(tiling, 8, 1, 4096, (4096, 0, 1024), 16, num_sms=132)
     assert plan is not None and plan.chunks[1] == 0
     # no room: the two-launch path; not fused at all: likewise
-    assert plan_fused(DECODE, 64, 4, 4096, (4096,), 64, num_sms=4, per_sm=1) is None
+    assert plan_fused(tiling, 64, 4, 4096, (4096,), 64, num_sms=4, per_sm=1) is None
     assert plan_fused(with_overrides(DECODE, fused=False), 1, 1, 4096, (4096,), 16, num_sms=132) is None
     assert plan_fused(PREFILL, 1, 1, 4096, (4096,), 16, num_sms=132) is None
 

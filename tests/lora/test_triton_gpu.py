@@ -123,7 +123,8 @@ def test_decode_shapes_fused_plans_fit_and_two_launch_agree() -> None:
         assert row_errors(ya, y_ref).max().item() <= TOL and row_errors(yb, y_ref).max().item() <= TOL
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     plans = [p for p in fused._plans.values() if p is not None]
-    assert len(plans) == 4 and all(p.programs <= 32 * sms for p in plans)
+    # the programs that must be resident at once fit (streamed expand programs start later)
+    assert len(plans) == 4 and all(p.resident <= 32 * sms for p in plans)
     assert _counters_zero(fused)
 
 
@@ -236,19 +237,3 @@ def test_cuda_graph_whole_layer_back_to_back(pdl: bool) -> None:
             assert row_errors(ys[grp], y_ref).max().item() <= TOL, (seed, grp)
             assert torch.equal(ys[grp][3], y0[grp][3])
         assert _counters_zero(be)
-
-
-@pytest.mark.parametrize("shapes", ["mid", "llama3"])
-@pytest.mark.parametrize("popularity", POPULARITIES)
-def test_recompute_decode_kernel(shapes: str, popularity: str) -> None:
-    from loraplex.lora.triton_config import DECODE, with_overrides
-
-    be = _backend(with_overrides(DECODE, recompute=True))
-    ranks = random_ranks(24, (8, 16, 32, 64), seed=3)
-    shape = MID_SHAPES if shapes == "mid" else LLAMA3_8B_SHAPES
-    table = make_table(ranks, DTYPE, DEV, shapes=shape, seed=4)
-    slots = adapter_choices(48, len(ranks), popularity, seed=5)
-    slots[3] = -1
-    _check(be, slots, table, shape)
-    longest = max(slots.count(s) for s in set(slots) if s != -1)
-    assert (be._dk is not None) == (longest <= 16)  # the recompute kernel ran where it applies

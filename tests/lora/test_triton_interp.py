@@ -33,11 +33,13 @@ SPLIT_DECODE = with_overrides(DECODE, block_k=16, max_split=4, fused=False)  # t
 SMALL_PREFILL = with_overrides(PREFILL, block_m=16, block_k=16, block_n=32, n_chunk=64)
 # The one-launch path at small sizes: 16-column expand tiles, K split in up to 3 chunks of >= 32.
 FUSED_DECODE = with_overrides(
-    DECODE, block_k=16, fused_block_n=16, fused_tile_elems=256, fused_per_sm=64, fused_max_rank=64
-)
-# The hand-off-free decode kernel at small sizes: K in 16-wide tiles, 32 columns per program.
-RECOMPUTE_DECODE = with_overrides(
-    DECODE, recompute=True, recompute_block_k=16, recompute_block_n=16, recompute_cols=32
+    DECODE,
+    block_k=16,
+    fused_block_n=16,
+    fused_tile_elems=256,
+    fused_per_sm=64,
+    fused_max_rank=64,
+    fused_expand_sub=0,
 )
 CPU = torch.device("cpu")
 
@@ -265,8 +267,13 @@ def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> Lo
     )
 
 
+STREAMED_DECODE = with_overrides(FUSED_DECODE, fused_expand_sub=1, fused_per_sm=2)
+
+
 @pytest.mark.parametrize(
-    "tiling", [FUSED_DECODE, SPLIT_DECODE, RECOMPUTE_DECODE], ids=["fused", "two-launch", "recompute"]
+    "tiling",
+    [FUSED_DECODE, STREAMED_DECODE, SPLIT_DECODE],
+    ids=["fused-all-resident", "fused-streamed", "two-launch"],
 )
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
     # adapter 1 adapts only q and up: the static launch covers every slice, rank 0 elsewhere
@@ -307,21 +314,14 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
     assert be.graph_epoch(table, CPU)[0] == epoch + 1
 
 
-@pytest.mark.parametrize("popularity", POPULARITIES)
-def test_recompute_decode_kernel(popularity: str) -> None:
-    # mixed ranks (rank tile 64), segments of one to 16 rows, a base row, partial targets
-    ranks = random_ranks(6, (8, 16, 32, 64), seed=21)
-    targets = [None, ("q", "up"), None, ("k", "v", "down"), None, ("o",)]
-    table = make_table(ranks, DTYPE, "cpu", seed=22, targets=targets)
-    slots = adapter_choices(16, len(ranks), popularity, seed=23)
-    slots[7] = -1
-    be = _backend(RECOMPUTE_DECODE)
-    _check_all_groups(be, slots, table)
-    assert be._dk is not None  # the recompute kernel ran (not the fused or two-launch path)
+def test_streamed_fused_plan_needs_only_shrinks_resident() -> None:
+    from loraplex.lora.triton_config import plan_fused
 
-
-def test_recompute_is_skipped_for_long_segments() -> None:
-    table = make_table([16, 8], DTYPE, "cpu", seed=24)
-    be = _backend(RECOMPUTE_DECODE)
-    _check_all_groups(be, [0] * 17 + [1, 1], table)  # 17 rows: two row tiles, the other paths
-    assert be._dk is None
+    # 6 row tiles of a gate_up call on 4 "SMs" x 2: far more expand programs than fit at once
+    plan = plan_fused(STREAMED_DECODE, 6, 1, 64, (96, 96), 16, num_sms=4)
+    assert plan is not None and plan.streamed and plan.n_sub == 1
+    assert plan.resident == plan.n_shrink <= 8 < plan.programs
+    table = make_table([16, 8, 16], DTYPE, "cpu", seed=30)
+    be = _backend(STREAMED_DECODE)
+    _check_all_groups(be, [0, 1, 2, 1, -1, 0, 2] * 4, table)
+    assert any(p is not None and p.streamed for p in be._plans.values())
