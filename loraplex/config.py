@@ -224,10 +224,15 @@ class GraphConfig:
     # Decode steps of up to this many sequences replay CUDA graphs (captured per batch-size bucket
     # on first use); 0 runs every step eagerly. Only on CUDA.
     cuda_graph_max_batch: int = 256
+    # 1: in captured decode steps, each LoRA op runs on a side stream concurrently with its base
+    # GEMM and its output is added after both; 0: the LoRA op adds into the GEMM's output after it.
+    lora_overlap: int = 1
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch must be >= 0 (0 turns CUDA graphs off)")
+        if self.lora_overlap not in (0, 1):
+            raise ValueError("lora_overlap must be 0 or 1")
 
 
 @dataclass(frozen=True)

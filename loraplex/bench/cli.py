@@ -44,6 +44,7 @@ def _engine(args: argparse.Namespace) -> int:
         profile=args.profile or None,
         graphs=False if args.no_graphs else None,
         lora_tiling=args.lora_tiling,
+        lora_overlap=False if args.no_lora_overlap else None,
     )
     report = run(bench_args, args.out)
     for name, value in summary_rows(report):
@@ -76,6 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     e.add_argument(
         "--lora-tiling", help="LoRA kernel tiling variant (see `bench kernels`; default: per step)"
+    )
+    e.add_argument(
+        "--no-lora-overlap", action="store_true", help="LoRA ops after their base GEMMs, not concurrent"
     )
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)

@@ -63,6 +63,7 @@ class EngineBenchArgs:
     seed: int = 0
     profile: bool = False  # also profile a few decode steps per mode (torch.profiler tables)
     graphs: bool = True  # decode steps as CUDA-graph replays (the engine's default on CUDA)
+    lora_overlap: bool = True  # LoRA ops concurrent with the base GEMMs in captured steps (engine default)
     lora_tiling: str | None = None  # a `bench kernels` tiling variant for the LoRA kernels (None: default)
 
     @classmethod
@@ -320,7 +321,9 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         ),
         lora=LoRAConfig(max_rank=max(64, args.rank)),
         scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch)),
-        graphs=GraphConfig(cuda_graph_max_batch=args.batch if args.graphs else 0),
+        graphs=GraphConfig(
+            cuda_graph_max_batch=args.batch if args.graphs else 0, lora_overlap=int(args.lora_overlap)
+        ),
     )
     engine = Engine(config, model=model)
     if args.lora_tiling is not None:
@@ -427,6 +430,14 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def _mode_words(a: dict[str, Any]) -> str:
+    if not a.get("graphs", True):
+        return "eager, no CUDA graphs"
+    return "CUDA-graph replays" + (
+        ", LoRA ops concurrent with the base GEMMs" if a.get("lora_overlap") else ""
+    )
+
+
 def markdown(report: dict[str, Any]) -> str:
     a = report["args"]
     m = report["model"]
@@ -437,7 +448,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}.",
         f"Batch {a['batch']}, context {a['context']}, {a['adapters']} distinct adapters of rank {a['rank']} "
         f"on all seven targets (round-robin); median of {a['steps']} timed decode steps of `Engine.step()`"
-        f" ({'CUDA-graph replays' if a.get('graphs', True) else 'eager, no CUDA graphs'}).",
+        f" ({_mode_words(a)}).",
         "",
         "| quantity | value |",
         "| --- | ---: |",

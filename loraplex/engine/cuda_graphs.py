@@ -124,6 +124,7 @@ class StaticDecodeRunner:
         max_batch: int,
         max_model_len: int,
         capture: bool,
+        lora_overlap: bool = False,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -135,6 +136,10 @@ class StaticDecodeRunner:
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.capture = capture
+        # LoRA ops on a side stream, concurrent with the base GEMMs (see layers/linear.LoRAStep);
+        # without capture (CPU tests) the same arithmetic on one stream
+        self.lora_overlap = lora_overlap
+        self._side_stream = torch.cuda.Stream(device) if capture and lora_overlap else None
         self.width = -(-max_model_len // kv.block_size)
         self.replays = 0  # steps run on static buffers (graph replays when capturing)
         self.captures = 0
@@ -252,7 +257,9 @@ class StaticDecodeRunner:
 
     def _forward(self, inputs: _StaticInputs, captured: _Captured) -> torch.Tensor:
         meta = captured.lora_meta
-        lora = LoRAStep(meta, self.lora_table, self.lora_backend) if meta is not None else None
+        lora = None
+        if meta is not None:
+            lora = LoRAStep(meta, self.lora_table, self.lora_backend, self.lora_overlap, self._side_stream)
         hidden = self.model(inputs.ids, captured.attn, self.kv.k, self.kv.v, lora)
         return self.model.logits(hidden).float()
 

@@ -262,6 +262,7 @@ class Engine:
             max_batch,
             self.max_model_len,
             capture=True,
+            lora_overlap=bool(config.graphs.lora_overlap),
         )
 
     @property

@@ -30,6 +30,12 @@ class LoRAStep:
     meta: LoRABatchMetadata
     table: LoRASlotTable
     backend: LoRABackend
+    # Overlap: the LoRA op writes into a zeroed buffer on `side_stream` while the base GEMM runs
+    # on the current stream, and the buffer is added after both (CUDA-graph decode steps, where
+    # the LoRA kernels are latency-bound and the GEMM leaves bandwidth and SMs to spare). With
+    # overlap set and no side stream, the same arithmetic runs on one stream (CPU tests).
+    overlap: bool = False
+    side_stream: torch.cuda.Stream | None = None
 
 
 class _LoRALinear(nn.Module):
@@ -58,10 +64,34 @@ class _LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
         # x: [T, d_in] -> y: [T, d_out]
+        if lora is None or not lora.meta.targets_group(self.layer, self.group):
+            return F.linear(x, self.weight, self.bias)
+        if lora.overlap:
+            return self._forward_overlapped(x, lora)
         y = F.linear(x, self.weight, self.bias)
-        if lora is not None and lora.meta.targets_group(self.layer, self.group):
-            lora.backend.apply(y, x, lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
+        lora.backend.apply(y, x, lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
         return y
+
+    def _forward_overlapped(self, x: torch.Tensor, lora: LoRAStep) -> torch.Tensor:
+        """y = x W^T + delta, the LoRA delta computed concurrently with the GEMM (see LoRAStep).
+        Rounds like transformers + PEFT do: the delta to the activation dtype, then the sum."""
+        side = lora.side_stream
+        shape = (x.shape[0], self.out_features)
+        if side is None:
+            delta = torch.zeros(shape, dtype=x.dtype, device=x.device)
+            lora.backend.apply(delta, x, lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
+            return F.linear(x, self.weight, self.bias).add_(delta)
+        main = torch.cuda.current_stream(x.device)
+        # Allocated on the main stream, and every side-stream use (of x and delta) is joined back
+        # into it before either can be freed, so the allocator needs no record_stream.
+        delta = torch.empty(shape, dtype=x.dtype, device=x.device)
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            delta.zero_()
+            lora.backend.apply(delta, x, lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
+        y = F.linear(x, self.weight, self.bias)
+        main.wait_stream(side)
+        return y.add_(delta)
 
     def load_slice(self, index: int, tensor: torch.Tensor, bias: bool = False) -> None:
         """Copy one logical projection (a fused slice) from a checkpoint tensor."""

@@ -20,7 +20,7 @@ ADAPTERS = {
 }
 
 
-def _llms(tmp_path: Path, max_batch: int) -> tuple[LLM, LLM]:
+def _llms(tmp_path: Path, max_batch: int, overlap: bool = False) -> tuple[LLM, LLM]:
     hf = build_hf_model("llama", seed=3)
     model_dir = save_hf_model(hf, tmp_path / "base")
     paths = {
@@ -33,7 +33,15 @@ def _llms(tmp_path: Path, max_batch: int) -> tuple[LLM, LLM]:
             llm.register_adapter(name, path)
     e = llms[1].engine
     e.runner.static_decode = StaticDecodeRunner(
-        e.model, e.kv, e.lora_table, e.lora_backend, e.device, max_batch, e.max_model_len, capture=False
+        e.model,
+        e.kv,
+        e.lora_table,
+        e.lora_backend,
+        e.device,
+        max_batch,
+        e.max_model_len,
+        capture=False,
+        lora_overlap=overlap,
     )
     return llms
 
@@ -46,8 +54,19 @@ def test_batch_buckets() -> None:
     assert batch_bucket(40, 40) == 40  # the configured maximum caps a bucket
 
 
-def test_static_decode_matches_eager(tmp_path: Path) -> None:
-    eager, static = _llms(tmp_path, max_batch=24)
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-place", "lora-delta-added-after"])
+def test_static_decode_matches_eager(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraplex.layers import linear
+
+    overlapped = []
+    original = linear._LoRALinear._forward_overlapped
+
+    def spy(self, x, lora):  # noqa: ANN001, ANN202
+        overlapped.append(self.group)
+        return original(self, x, lora)
+
+    monkeypatch.setattr(linear._LoRALinear, "_forward_overlapped", spy)
+    eager, static = _llms(tmp_path, max_batch=24, overlap=overlap)
     g = torch.Generator().manual_seed(11)
     # 26 requests (more than the graphs' 24, so the first decode steps run eagerly), 18 rows of
     # one adapter (cut into two segments), every request a different length so the batch shrinks
@@ -71,6 +90,8 @@ def test_static_decode_matches_eager(tmp_path: Path) -> None:
             for t in lpa:
                 assert lpa[t] == pytest.approx(lpb[t], abs=1e-5), (i, t)
     static.engine.check_integrity()
+    # the overlapped path (delta buffer added after the GEMM) ran for every group, only when asked
+    assert set(overlapped) == ({"qkv", "o", "gate_up", "down"} if overlap else set())
 
 
 def test_static_steps_are_reported(tmp_path: Path) -> None:
