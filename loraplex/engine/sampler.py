@@ -34,6 +34,15 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short host list as a tensor on `device`. On CUDA through pinned memory and a non-blocking
+    copy: `torch.tensor(values, device=cuda)` synchronizes the stream, so right after the forward's
+    launch the host would wait for the whole forward before queueing a single sampling kernel."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution each row is sampled from, as float32 logits with filtered tokens at -inf.
 
@@ -41,33 +50,51 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     transformers' warpers in that order. Greedy rows: every token but the argmax is -inf and the
     argmax is 0.0 (a point mass on the greedy choice).
     """
-    vocab = logits.shape[-1]
+    n, vocab = logits.shape
     device = logits.device
+    temp_list: list[float] = []
+    topk_rows: list[int] = []
+    topp_rows: list[int] = []
+    greedy_rows: list[int] = []
+    for i, p in enumerate(params):
+        if p.temperature == 0.0:
+            greedy_rows.append(i)
+            temp_list.append(1.0)
+            continue
+        temp_list.append(p.temperature)
+        if 0 < p.top_k < vocab:
+            topk_rows.append(i)
+        if p.top_p < 1.0:
+            topp_rows.append(i)
     # Dividing by a float32 tensor gives the same bits as transformers' `scores / temperature` (CPU).
     # Greedy rows get 1.0 here and are replaced by their point mass below.
-    temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device)
+    temps = _to_device(temp_list, torch.float32, device)
     out = logits.float() / temps[:, None]  # [N, V], a fresh tensor we may write into
 
-    topk_rows = [i for i, p in enumerate(params) if not p.greedy and 0 < p.top_k < vocab]
+    # A step applies to a subset of rows (gathered, masked, scattered back) or, when every row
+    # takes it, to `out` in place: the same values either way, fewer device ops.
     if topk_rows:
-        rows = torch.tensor(topk_rows, device=device)
         k_list = [params[i].top_k for i in topk_rows]
-        ks = torch.tensor(k_list, device=device)
-        sub = out[rows]
+        ks = _to_device(k_list, torch.int64, device)
+        every = len(topk_rows) == n
+        rows = None if every else _to_device(topk_rows, torch.int64, device)
+        sub = out if rows is None else out[rows]
         # Like TopKLogitsWarper: drop what is strictly below the k-th largest value, so ties with
         # the k-th value all survive.
         top_vals = torch.topk(sub, max(k_list), dim=-1).values  # [R, kmax], descending
         kth = top_vals.gather(1, (ks - 1)[:, None])
-        out[rows] = sub.masked_fill(sub < kth, _NEG_INF)
+        if rows is None:
+            out.masked_fill_(out < kth, _NEG_INF)
+        else:
+            out[rows] = sub.masked_fill(sub < kth, _NEG_INF)
 
     # transformers' generate skips the top-p warper at top_p == 1.0 (applied, it would also drop
     # tokens whose probability underflows to 0), so we do too.
-    topp_rows = [i for i, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
     if topp_rows:
-        rows = torch.tensor(topp_rows, device=device)
+        rows = None if len(topp_rows) == n else _to_device(topp_rows, torch.int64, device)
         # 1 - top_p in double, rounded once to float32: what comparing with the python scalar does.
-        cutoff = torch.tensor([1.0 - params[i].top_p for i in topp_rows], dtype=torch.float32, device=device)
-        sub = out[rows]
+        cutoff = _to_device([1.0 - params[i].top_p for i in topp_rows], torch.float32, device)
+        sub = out if rows is None else out[rows]
         # The same (unstable) sort as TopPLogitsWarper: where tied logits straddle the cutoff, which
         # of them survive is torch.sort's order, as in transformers. Each row is sorted on its own,
         # so that order depends only on the row, never on the batch.
@@ -77,11 +104,13 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         drop_sorted = cumulative <= cutoff[:, None]
         drop_sorted[:, -1] = False
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-        out[rows] = sub.masked_fill(drop, _NEG_INF)
+        if rows is None:
+            out.masked_fill_(drop, _NEG_INF)
+        else:
+            out[rows] = sub.masked_fill(drop, _NEG_INF)
 
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
-        rows = torch.tensor(greedy_rows, device=device)
+        rows = _to_device(greedy_rows, torch.int64, device)
         point = torch.full((len(greedy_rows), vocab), _NEG_INF, dtype=torch.float32, device=device)
         point.scatter_(1, logits[rows].argmax(dim=-1, keepdim=True), 0.0)
         out[rows] = point
@@ -101,33 +130,54 @@ def logprob_dicts(
     if not wanted:
         return out
     device = logprobs.device
-    rows = torch.tensor(wanted, device=device)
-    sub = logprobs[rows].float()  # [R, V]
-    chosen_ids = torch.tensor([chosen[i] for i in wanted], device=device)
-    chosen_lp = sub.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
-    kmax = min(max(top_n[i] for i in wanted), sub.shape[-1])
-    top_vals: list[list[float]] = [[] for _ in wanted]
-    top_ids: list[list[int]] = [[] for _ in wanted]
-    if kmax > 0:
-        vals, ids = torch.topk(sub, kmax, dim=-1)
-        top_vals, top_ids = vals.tolist(), ids.tolist()
-    for j, i in enumerate(wanted):
-        row = {int(chosen[i]): chosen_lp[j]}
-        k = top_n[i]
-        for tok, lp in zip(top_ids[j][:k], top_vals[j][:k], strict=True):
-            row.setdefault(tok, lp)
-        out[i] = row
+    if len(wanted) == len(top_n):
+        sub = logprobs.float()  # [N, V]
+    else:
+        sub = logprobs[_to_device(wanted, torch.int64, device)].float()  # [R, V]
+    chosen_ids = _to_device([int(chosen[i]) for i in wanted], torch.int64, device)
+    _, dicts = _rows_logprobs(sub, chosen_ids, [top_n[i] for i in wanted])  # type: ignore[misc]
+    for i, d in zip(wanted, dicts, strict=True):
+        out[i] = d
     return out
 
 
-def _gumbel_noise(uniform: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise from uniform draws in [0, 1) (as torch.rand gives), in place.
+def _rows_logprobs(
+    logprobs: torch.Tensor, chosen_ids: torch.Tensor, top_n: list[int]
+) -> tuple[list[int], list[dict[int, float]]]:
+    """logprob_dicts where every row wants logprobs and the chosen tokens are still on the device
+    ([R] int64): returns them on the host too. Two copies to the host in all (ints, floats), so
+    one sync after the one the sampled tokens need anyway, whatever top_n is."""
+    chosen_lp = logprobs.gather(1, chosen_ids[:, None])  # [R, 1]
+    kmax = min(max(top_n), logprobs.shape[-1])
+    if kmax > 0:
+        vals, ids = torch.topk(logprobs, kmax, dim=-1)  # [R, kmax], descending
+        # Per row: the chosen token (or its logprob) first, then the top-kmax.
+        ints = torch.cat((chosen_ids[:, None], ids), dim=1).tolist()
+        floats = torch.cat((chosen_lp, vals), dim=1).tolist()
+    else:
+        ints = chosen_ids[:, None].tolist()
+        floats = chosen_lp.tolist()
+    dicts = []
+    add = dicts.append
+    for row_ids, row_vals, k in zip(ints, floats, top_n, strict=True):
+        if k < kmax:
+            row_ids, row_vals = row_ids[: k + 1], row_vals[: k + 1]
+        row = dict(zip(row_ids, row_vals, strict=True))
+        row[row_ids[0]] = row_vals[0]  # a chosen token among the top-N keeps its place (first) and value
+        add(row)
+    return [r[0] for r in ints], dicts
+
+
+def _neg_gumbel_noise(uniform: torch.Tensor) -> torch.Tensor:
+    """Minus Gumbel(0, 1) noise, log(-log(u)), from uniform draws in [0, 1) (as torch.rand gives),
+    in place. `scores - this` is bit for bit `scores + Gumbel noise` (x - y is x + (-y) in IEEE
+    arithmetic), one device op fewer.
 
     -log(u) is never 0 (u < 1), so no token can win outright whatever its probability; u == 0
     would give -inf noise and is clamped, so a row's only surviving token can still win.
     """
     uniform.clamp_min_(torch.finfo(uniform.dtype).tiny)
-    return uniform.log_().neg_().log_().neg_()
+    return uniform.log_().neg_().log_()
 
 
 class Sampler:
@@ -149,36 +199,63 @@ class Sampler:
     ) -> SampleResult:
         n, vocab = logits.shape
         device = logits.device
-        tokens = torch.empty(n, dtype=torch.long, device=device)
+        temps = [p.temperature for p in params]  # a row is greedy iff its temperature is 0 (falsy)
+        top_n = [p.logprobs for p in params]
+        wants_logprobs = top_n.count(None) != n
 
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
-            rows = torch.tensor(greedy, device=device)
+        if not any(temps):
+            # Every row greedy (the common serving case): one argmax over the batch.
+            tokens = logits.float().argmax(dim=-1)
+        elif all(temps):
+            tokens = self._sample(logits, params, generators)
+        else:
+            greedy = [i for i, t in enumerate(temps) if t == 0.0]
+            sampled = [i for i, t in enumerate(temps) if t != 0.0]
+            tokens = torch.empty(n, dtype=torch.long, device=device)
+            rows = _to_device(greedy, torch.int64, device)
             tokens[rows] = logits[rows].float().argmax(dim=-1)
-
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            rows = torch.tensor(sampled, device=device)
-            scores = filtered_logits(logits[rows], [params[i] for i in sampled])  # [S, V]
-            uniform = torch.empty_like(scores)
-            shared = [j for j, i in enumerate(sampled) if generators[i] is None]
-            if shared:
-                draw = torch.rand((len(shared), vocab), generator=self.generator, device=device)
-                uniform[torch.tensor(shared, device=device)] = draw
-            for j, i in enumerate(sampled):
-                if generators[i] is not None:
-                    uniform[j].uniform_(generator=generators[i])  # this row's [V] draw, its stream only
-            # Masked tokens stay -inf (the noise is finite), so they can never be picked.
-            tokens[rows] = (scores + _gumbel_noise(uniform)).argmax(dim=-1)
-
+            rows = _to_device(sampled, torch.int64, device)
+            tokens[rows] = self._sample(
+                logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
+            )
+        if not wants_logprobs:
+            return SampleResult(tokens.tolist(), [None] * n)
+        if top_n.count(None) == 0:  # every row: no gather, and the tokens come back with the logprobs
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # raw: before any warping
+            token_ids, dicts = _rows_logprobs(logprobs, tokens, top_n)  # type: ignore[arg-type]
+            return SampleResult(token_ids, dicts)  # type: ignore[arg-type]
         token_ids = tokens.tolist()
         result: list[dict[int, float] | None] = [None] * n
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if wanted:
-            rows = torch.tensor(wanted, device=device)
-            logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # raw: before any warping
-            chosen = [token_ids[i] for i in wanted]
-            dicts = logprob_dicts(logprobs, chosen, [params[i].logprobs for i in wanted])
-            for i, d in zip(wanted, dicts, strict=True):
-                result[i] = d
+        wanted = [i for i, k in enumerate(top_n) if k is not None]
+        rows = _to_device(wanted, torch.int64, device)
+        logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # raw: before any warping
+        _, dicts = _rows_logprobs(logprobs, tokens[rows], [top_n[i] for i in wanted])  # type: ignore[misc]
+        for i, d in zip(wanted, dicts, strict=True):
+            result[i] = d
         return SampleResult(token_ids, result)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """[S] int64 tokens of rows that all sample (none greedy)."""
+        scores = filtered_logits(logits, params)  # [S, V] float32, fresh
+        device = scores.device
+        shared = [j for j, g in enumerate(generators) if g is None]
+        if len(shared) == len(generators):
+            # The shared generator's one [S, V] draw, as below with every row shared.
+            uniform = torch.rand(scores.shape, generator=self.generator, device=device).to(scores.dtype)
+        else:
+            uniform = torch.empty_like(scores)
+            if shared:
+                draw = torch.rand((len(shared), scores.shape[1]), generator=self.generator, device=device)
+                uniform[_to_device(shared, torch.int64, device)] = draw
+            # Row views from one unbind when most rows need one (cheaper than indexing each).
+            rows = uniform.unbind(0) if 2 * len(shared) < len(generators) else uniform
+            for j, g in enumerate(generators):
+                if g is not None:
+                    rows[j].uniform_(generator=g)  # this row's [V] draw, its stream only
+        # Masked tokens stay -inf (the noise is finite), so they can never be picked.
+        return scores.sub_(_neg_gumbel_noise(uniform)).argmax(dim=-1)

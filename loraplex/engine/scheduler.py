@@ -20,6 +20,9 @@ from loraplex.kv.block_pool import BlockPool
 
 @dataclass(frozen=True)
 class ScheduledChunk:
+    """Immutable. A decode chunk is always `(seq, 1, True)`, so the scheduler makes one per
+    sequence and plans that same object every step the sequence decodes."""
+
     seq: Sequence
     num_tokens: int  # rows this step: positions num_computed .. num_computed + num_tokens - 1
     is_decode: bool  # one new row of a sequence that has generated tokens (not a (re)computed prefix)
@@ -47,6 +50,9 @@ class Scheduler:
         self.block_size = block_size
         self.waiting: list[Sequence] = []  # kept sorted by arrival
         self.running: list[Sequence] = []  # kept sorted by arrival
+        # Each decoding sequence's `ScheduledChunk(seq, 1, True)`, made once and planned every step
+        # it decodes (dropped when the sequence finishes).
+        self._decode_chunks: dict[Sequence, ScheduledChunk] = {}
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -63,23 +69,40 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
-            need = self.blocks_for(seq.num_computed + n) - len(seq.block_ids)
-            while need > self.pool.num_free:
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                break  # it preempted itself: everything after it is gone too
-            seq.block_ids.extend(self.pool.allocate(need))
-            chunks.append(ScheduledChunk(seq, n, _is_decode(seq, n)))
+        # The running pass is the whole step in steady decoding: per sequence, a few integer ops,
+        # the pool only when a block boundary is crossed, and the sequence's cached decode chunk.
+        # Preemption only removes sequences from the end of `running`, which ends this loop early
+        # exactly where the index-based loop of the design would stop.
+        running = self.running
+        pool = self.pool
+        bs = self.block_size
+        decode_chunks = self._decode_chunks
+        for seq in running:
+            if budget <= 0:
+                break
+            output = seq.output_token_ids
+            computed = seq.num_computed
+            uncomputed = len(seq.prompt_token_ids) + len(output) - computed
+            n = uncomputed if uncomputed < budget else budget
+            need = -(-(computed + n) // bs) - len(seq.block_ids)
+            if need > 0:
+                while need > pool.num_free:
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    break  # it preempted itself: everything after it is gone too
+                seq.block_ids.extend(pool.allocate(need))
+            if n == 1 and uncomputed == 1 and output:  # _is_decode(seq, n)
+                chunk = decode_chunks.get(seq)
+                if chunk is None:
+                    chunk = decode_chunks[seq] = ScheduledChunk(seq, 1, True)
+            else:
+                chunk = ScheduledChunk(seq, n, False)
+            chunks.append(chunk)
             budget -= n
-            i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -103,6 +126,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
+        self._decode_chunks.pop(seq, None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -15,6 +15,17 @@ class StopChecker:
 
     def check(self, seq: Sequence, max_model_len: int) -> str | None:
         """Update seq.text for the newest token and return a finish reason, or None to go on."""
+        if self.tokenizer is None:
+            # No tokenizer, so seq.text stays "": nothing to detokenize or flush, and no stop string
+            # can match. The other checks of _reason, in its order.
+            params = seq.params
+            output = seq.output_token_ids
+            token = output[-1]
+            if (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids:
+                return "stop"
+            if len(output) >= params.max_tokens or len(seq.prompt_token_ids) + len(output) >= max_model_len:
+                return "length"
+            return None
         reason = self._reason(seq, max_model_len)
         if reason is not None and seq.detokenizer is not None and reason != "stop_string":
             seq.text += seq.detokenizer.flush(seq.output_token_ids)
