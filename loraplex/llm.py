@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from loraplex.config import CacheConfig, EngineConfig, GraphConfig, LoRAConfig, SchedulerConfig
 from loraplex.engine.engine import Engine
 from loraplex.types import AdapterRef, RequestOutput, SamplingParams
 
@@ -26,6 +26,8 @@ class LLM:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,
+        cuda_graph_max_batch: int = 256,
+        lora_overlap: int = 0,
         progress: bool = False,
     ) -> None:
         config = EngineConfig(
@@ -38,6 +40,7 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
+            graphs=GraphConfig(cuda_graph_max_batch=cuda_graph_max_batch, lora_overlap=lora_overlap),
         )
         self._attach(Engine(config, progress=progress))
 

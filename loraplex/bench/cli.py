@@ -44,7 +44,7 @@ def _engine(args: argparse.Namespace) -> int:
         profile=args.profile or None,
         graphs=False if args.no_graphs else None,
         lora_tiling=args.lora_tiling,
-        lora_overlap=False if args.no_lora_overlap else None,
+        lora_overlap=True if args.lora_overlap else None,
     )
     report = run(bench_args, args.out)
     for name, value in summary_rows(report):
@@ -79,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lora-tiling", help="LoRA kernel tiling variant (see `bench kernels`; default: per step)"
     )
     e.add_argument(
-        "--no-lora-overlap", action="store_true", help="LoRA ops after their base GEMMs, not concurrent"
+        "--lora-overlap", action="store_true", help="LoRA ops concurrent with their base GEMMs (side stream)"
     )
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)

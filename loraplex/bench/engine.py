@@ -63,7 +63,9 @@ class EngineBenchArgs:
     seed: int = 0
     profile: bool = False  # also profile a few decode steps per mode (torch.profiler tables)
     graphs: bool = True  # decode steps as CUDA-graph replays (the engine's default on CUDA)
-    lora_overlap: bool = True  # LoRA ops concurrent with the base GEMMs in captured steps (engine default)
+    lora_overlap: bool = (
+        False  # LoRA ops concurrent with the base GEMMs in captured steps (off: engine default)
+    )
     lora_tiling: str | None = None  # a `bench kernels` tiling variant for the LoRA kernels (None: default)
 
     @classmethod

@@ -8,6 +8,7 @@ was admitted with until it finishes or is aborted.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from pathlib import Path
 from typing import NamedTuple
@@ -93,6 +94,10 @@ class Engine:
         self._arrivals = itertools.count()
         self.last_stats: StepStats | None = None
         self._steps = 0
+        # The model and tables are built: collect once and move everything alive now out of the
+        # collector's reach, so no full collection over them lands inside a step later.
+        gc.collect()
+        gc.freeze()
 
     # --- requests -------------------------------------------------------------------------------
 
