@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh test
-.venv/bin/ruff check loraplex tests
-.venv/bin/ruff format --check loraplex tests
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/python -m pytest tests "$@"
