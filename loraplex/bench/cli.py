@@ -45,6 +45,7 @@ def _engine(args: argparse.Namespace) -> int:
         graphs=False if args.no_graphs else None,
         lora_tiling=args.lora_tiling,
         lora_overlap=True if args.lora_overlap else None,
+        repeats=args.repeats,
     )
     report = run(bench_args, args.out)
     for name, value in summary_rows(report):
@@ -73,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--adapters", type=int, help="distinct adapters in the LoRA run (default 32, tiny 4)")
     e.add_argument("--rank", type=int, help="adapter rank (default 16, tiny 8)")
     e.add_argument("--steps", type=int, help="timed decode steps, median (default 50, tiny 10)")
+    e.add_argument("--repeats", type=int, help="alternating base-only / LoRA pairs (default 3, tiny 1)")
     e.add_argument("--profile", action="store_true", help="write torch.profiler tables of a few steps")
     e.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     e.add_argument(

@@ -63,16 +63,15 @@ class EngineBenchArgs:
     seed: int = 0
     profile: bool = False  # also profile a few decode steps per mode (torch.profiler tables)
     graphs: bool = True  # decode steps as CUDA-graph replays (the engine's default on CUDA)
-    lora_overlap: bool = (
-        False  # LoRA ops concurrent with the base GEMMs in captured steps (off: engine default)
-    )
+    lora_overlap: bool = False  # LoRA ops concurrent with the base GEMMs in captured steps
     lora_tiling: str | None = None  # a `bench kernels` tiling variant for the LoRA kernels (None: default)
+    repeats: int = 3  # base-only / LoRA pairs, alternating; medians reported
 
     @classmethod
     def preset(cls, tiny: bool, **overrides: Any) -> EngineBenchArgs:
         """Defaults of the preset (issue #5's case, or a tiny CPU smoke run), then any overrides
         that are not None."""
-        base = dict(batch=8, context=64, adapters=4, rank=8, steps=10) if tiny else {}
+        base = dict(batch=8, context=64, adapters=4, rank=8, steps=10, repeats=1) if tiny else {}
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(tiny=tiny, **base)
 
@@ -203,7 +202,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mode: str) -> dict[str, Any]:
+def run_mode(
+    engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mode: str, profile: bool = True
+) -> dict[str, Any]:
     """Fill the batch, step until all decode, time `args.steps` decode steps."""
     gen = torch.Generator().manual_seed(args.seed + 1)
     vocab = engine.model_config.vocab_size
@@ -237,7 +238,7 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
     replays = engine.graph_replays - replays0
     if args.graphs and engine.device.type == "cuda" and replays != args.steps:
         raise RuntimeError(f"{mode}: {replays} of {args.steps} timed steps were CUDA-graph replays")
-    profile = _host_breakdown(engine) + "\n\n" + _profile_steps(engine) if args.profile else None
+    prof = _host_breakdown(engine) + "\n\n" + _profile_steps(engine) if args.profile and profile else None
     for rid in ids:
         engine.abort(rid)
         engine.release(rid)
@@ -250,7 +251,7 @@ def run_mode(engine: Engine, args: EngineBenchArgs, adapter_names: list[str], mo
         "lora_calls": calls,
         "graph_replays": replays,
         "kv_tokens_per_step": kv_tokens_per_step,
-        "profile": profile,
+        "profile": prof,
     }
 
 
@@ -345,8 +346,18 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
     register_s = time.perf_counter() - t0
     lora_bytes = sum(e.nbytes for e in engine.adapters.list())
 
-    base = run_mode(engine, args, [], "base")
-    lora = run_mode(engine, args, names, "lora") if names else None
+    # Alternate the modes: a drift of the GPU's speed over the run then hits both alike, and the
+    # spread of the per-pair ratios shows how much one pair can be trusted.
+    pairs = []
+    base = lora = None
+    for r in range(args.repeats):
+        b = run_mode(engine, args, [], "base", profile=r == 0)
+        m = run_mode(engine, args, names, "lora", profile=r == 0) if names else None
+        base, lora = base or b, lora or m
+        pairs.append({"base_ms": b["step_ms"], "lora_ms": m["step_ms"] if m else None})
+    assert base is not None
+    base_ms = statistics.median(p["base_ms"] for p in pairs)
+    ratios = [p["lora_ms"] / p["base_ms"] for p in pairs] if lora else []
 
     kv_token_bytes = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
     bytes_ = {
@@ -378,12 +389,14 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         "floor_ms": floor_ms,
         "build_s": build_s,
         "register_s": register_s,
-        "base": base,
+        "base": base,  # the first repeat's details (its timed steps, profile)
         "lora": lora,
-        "base_step_ms": base["step_ms"],
-        "lora_step_ms": lora["step_ms"] if lora else None,
-        "base_over_floor": base["step_ms"] / floor_ms,
-        "lora_over_base": lora["step_ms"] / base["step_ms"] if lora else None,
+        "pairs": pairs,  # per repeat: median base-only and LoRA step
+        "base_step_ms": base_ms,
+        "lora_step_ms": statistics.median(p["lora_ms"] for p in pairs) if lora else None,
+        "base_over_floor": base_ms / floor_ms,
+        "lora_over_base": statistics.median(ratios) if ratios else None,  # median of per-pair ratios
+        "lora_over_base_range": [min(ratios), max(ratios)] if ratios else None,
     }
     report["targets"] = _targets(report)
     if out_dir is not None:
@@ -428,16 +441,23 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("base-only step (ms)", ms(report["base_step_ms"])),
         ("LoRA step (ms)", ms(report["lora_step_ms"])),
         (f"base / floor{floor_note}", ratio(report["base_over_floor"])),
-        ("LoRA / base", ratio(report["lora_over_base"])),
+        ("LoRA / base (median of pairs)", ratio(report["lora_over_base"])),
+        ("LoRA / base, pair range", _range(report.get("lora_over_base_range"))),
     ]
 
 
 def _mode_words(a: dict[str, Any]) -> str:
+    if a.get("device", "cuda") != "cuda":
+        return "eager: CUDA graphs exist only on CUDA"
     if not a.get("graphs", True):
         return "eager, no CUDA graphs"
     return "CUDA-graph replays" + (
         ", LoRA ops concurrent with the base GEMMs" if a.get("lora_overlap") else ""
     )
+
+
+def _range(r: list[float] | None) -> str:
+    return "-" if not r else f"{r[0]:.2f} - {r[1]:.2f}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -449,7 +469,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Device: {report['device']}; torch {report['torch']}; bf16 random weights, "
         f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}.",
         f"Batch {a['batch']}, context {a['context']}, {a['adapters']} distinct adapters of rank {a['rank']} "
-        f"on all seven targets (round-robin); median of {a['steps']} timed decode steps of `Engine.step()`"
+        f"on all seven targets (round-robin); median of {a['steps']} timed decode steps of `Engine.step()`,"
+        f" {a.get('repeats', 1)} alternating base-only / LoRA pairs"
         f" ({_mode_words(a)}).",
         "",
         "| quantity | value |",

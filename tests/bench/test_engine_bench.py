@@ -63,3 +63,14 @@ def test_engine_bench_cli_tiny(tmp_path, capsys) -> None:
     assert main([*argv, "--adapters", "1", "--steps", "2", "--out", str(out)]) == 0
     assert "LoRA step (ms)" in capsys.readouterr().out
     assert {p.name for p in out.iterdir()} >= {"engine.json", "engine.md"}
+
+
+def test_engine_bench_alternates_repeated_pairs() -> None:
+    args = EngineBenchArgs.preset(True, layers=1, batch=2, context=8, adapters=2, steps=2, repeats=3)
+    report = run(args, None, plot_png=False)
+    pairs = report["pairs"]
+    assert len(pairs) == 3 and all(p["base_ms"] > 0 and p["lora_ms"] > 0 for p in pairs)
+    ratios = sorted(p["lora_ms"] / p["base_ms"] for p in pairs)
+    assert report["lora_over_base"] == pytest.approx(ratios[1])  # the median pair's ratio
+    assert report["lora_over_base_range"] == pytest.approx([ratios[0], ratios[2]])
+    assert report["base_step_ms"] == pytest.approx(sorted(p["base_ms"] for p in pairs)[1])
