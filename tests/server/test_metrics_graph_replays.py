@@ -1,0 +1,50 @@
+"""The CUDA-graph replay counter: counted for steps the engine ran as graph replays, not for steps
+that only used the static buffers eagerly (the CPU test mode) or ran eagerly."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+from loraplex.engine.stats import StepStats
+from loraplex.server.metrics import ServerMetrics
+
+
+def _stats(static_replay: bool) -> StepStats:
+    return StepStats(
+        num_rows=4,
+        rows_per_request={},
+        num_prefill_rows=0,
+        num_decode_rows=4,
+        num_base_rows=4,
+        num_lora_segments=0,
+        lora_op_calls=0,
+        kv_blocks_used=1,
+        num_running=4,
+        num_waiting=0,
+        preempted=(),
+        static_replay=static_replay,
+    )
+
+
+def _replays(metrics: ServerMetrics) -> float:
+    text = metrics.render().decode()
+    return float(re.search(r"^loraplex_cuda_graph_replays_total (\S+)$", text, re.M).group(1))
+
+
+def test_graph_replays_counted_only_for_real_replays() -> None:
+    metrics = ServerMetrics()
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(running=[1, 2, 3, 4], waiting=[]),
+        pool=SimpleNamespace(num_used=1, num_blocks=8),
+        last_stats=_stats(True),
+        graph_replays=1,
+    )
+    metrics.on_step(engine)
+    metrics.on_step(engine)
+    assert _replays(metrics) == 2
+    engine.last_stats = _stats(False)  # an eager step
+    metrics.on_step(engine)
+    engine.last_stats, engine.graph_replays = _stats(True), 0  # static buffers, no graphs (CPU)
+    metrics.on_step(engine)
+    assert _replays(metrics) == 2
