@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# One device call for the GPU engine (issue 5): the engine's GPU tests, then `bench engine`
-# (issue 5's case); logs and results under $OUT (bench-results/engine-gpu-check by hand).
-#   usage: [SKIP_TESTS=1] [TESTS="tests/engine ..."] scripts/engine_gpu_check.sh [extra `bench engine` args]
+# One device call that checks the whole GPU engine: `pytest -m gpu` (everything but tests/server,
+# whose dependencies the GPU image lacks), `bench engine` (issue 5's case, 3 alternating pairs),
+# then `bench kernels --quick --no-sweep` (issue 4's targets). Logs and results under $RESULTS
+# (default bench-results/engine-gpu-check); when $OUT is set (a remote device call that returns
+# only a few files), they are also packed into $OUT/engine-gpu-check.tgz, and the short summary,
+# printed last, is copied to $OUT/summary.txt. Each part is time-boxed so a
+# hung kernel cannot eat the call (about 6-7 minutes on an H200 in all).
+#   usage: [SKIP_TESTS=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] scripts/engine_gpu_check.sh [bench engine args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench-results/engine-gpu-check}
+PACK_TO=${OUT:-}
+OUT=${RESULTS:-bench-results/engine-gpu-check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -17,11 +23,24 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 touch "$OUT/pytest-gpu.log"
 t1=$(date +%s)
-timeout "${BENCH_TIMEOUT:-300}" $PY -m loraplex.bench.cli engine --device cuda --out "$OUT" "$@" 2>&1 \
-  | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-200}" $PY -m loraplex.bench.cli engine --device cuda --out "$OUT/engine" "$@" 2>&1 \
+  | tee "$OUT/bench-engine.log"
 t2=$(date +%s)
-echo
-echo "================ summary ================"
-echo "pytest -m gpu ($((t1 - t0)) s): $(grep -E '(passed|failed|error|skipped)' "$OUT/pytest-gpu.log" | tail -1)"
-echo "bench engine ($((t2 - t1)) s):"
-grep -E '(floor|step|/ base|bandwidth)' "$OUT/bench.log"
+if [ -z "${SKIP_KERNELS:-}" ]; then
+  timeout "${KERNELS_TIMEOUT:-120}" $PY -m loraplex.bench.cli kernels --quick --no-sweep --out "$OUT/kernels" 2>&1 \
+    | tee "$OUT/bench-kernels.log"
+fi
+touch "$OUT/bench-kernels.log"
+t3=$(date +%s)
+{
+  echo
+  echo "================ summary ================"
+  echo "pytest -m gpu ($((t1 - t0)) s): $(grep -E '(passed|failed|error|skipped)' "$OUT/pytest-gpu.log" | tail -1)"
+  echo "bench engine ($((t2 - t1)) s):"
+  grep -E '(floor|step|/ base|bandwidth)' "$OUT/bench-engine.log"
+  echo "bench kernels ($((t3 - t2)) s):"
+  grep -E '^(PASS|FAIL)|copy bandwidth' "$OUT/bench-kernels.log"
+} | tee "$OUT/summary.txt"
+if [ -n "$PACK_TO" ] && [ "$PACK_TO" != "$OUT" ]; then
+  tar czf "$PACK_TO/engine-gpu-check.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$PACK_TO/summary.txt"
+fi
