@@ -224,10 +224,9 @@ class GraphConfig:
     # Decode steps of up to this many sequences replay CUDA graphs (captured per batch-size bucket
     # on first use); 0 runs every step eagerly. Only on CUDA.
     cuda_graph_max_batch: int = 256
-    # 1: in captured decode steps, each LoRA op runs on a side stream concurrently with its base
-    # GEMM and its output is added after both; 0: the LoRA op adds into the GEMM's output after it.
-    # Off by default: on an H200 (Llama-3-8B shapes, batch 64, 32 adapters) the overlapped LoRA
-    # step measured 9.69 ms against 9.24 ms in place (docs/cuda-graphs.md).
+    # 1: in captured decode steps, each LoRA op's shrink launch runs on a side stream concurrently
+    # with its base GEMM and its expand launch follows the GEMM; 0: the whole LoRA op (one fused
+    # launch for decode steps) after the GEMM. Off until measured (docs/cuda-graphs.md).
     lora_overlap: int = 0
 
     def __post_init__(self) -> None:

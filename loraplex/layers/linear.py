@@ -30,10 +30,10 @@ class LoRAStep:
     meta: LoRABatchMetadata
     table: LoRASlotTable
     backend: LoRABackend
-    # Overlap: the LoRA op writes into a zeroed buffer on `side_stream` while the base GEMM runs
-    # on the current stream, and the buffer is added after both (CUDA-graph decode steps, where
-    # the LoRA kernels are latency-bound and the GEMM leaves bandwidth and SMs to spare). With
-    # overlap set and no side stream, the same arithmetic runs on one stream (CPU tests).
+    # Overlap: the LoRA op's first launch (H = X A^T, which needs only x) runs on `side_stream`
+    # while the base GEMM computes y on the current stream; its second (y += s H B^T) follows
+    # the GEMM (CUDA-graph decode steps, where the LoRA kernels are latency-bound). With overlap
+    # set and no side stream, the same two halves run on one stream (CPU tests).
     overlap: bool = False
     side_stream: torch.cuda.Stream | None = None
 
@@ -73,25 +73,24 @@ class _LoRALinear(nn.Module):
         return y
 
     def _forward_overlapped(self, x: torch.Tensor, lora: LoRAStep) -> torch.Tensor:
-        """y = x W^T + delta, the LoRA delta computed concurrently with the GEMM (see LoRAStep).
-        Rounds like transformers + PEFT do: the delta to the activation dtype, then the sum."""
+        """The base GEMM and the LoRA shrink concurrently, then the expand into y (see LoRAStep)."""
+        args = (lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
         side = lora.side_stream
-        shape = (x.shape[0], self.out_features)
         if side is None:
-            delta = torch.zeros(shape, dtype=x.dtype, device=x.device)
-            lora.backend.apply(delta, x, lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
-            return F.linear(x, self.weight, self.bias).add_(delta)
-        main = torch.cuda.current_stream(x.device)
-        # Allocated on the main stream, and every side-stream use (of x and delta) is joined back
-        # into it before either can be freed, so the allocator needs no record_stream.
-        delta = torch.empty(shape, dtype=x.dtype, device=x.device)
-        side.wait_stream(main)  # x is ready
-        with torch.cuda.stream(side):
-            delta.zero_()
-            lora.backend.apply(delta, x, lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
-        y = F.linear(x, self.weight, self.bias)
-        main.wait_stream(side)
-        return y.add_(delta)
+            partial = lora.backend.shrink(x, *args)
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)  # x is ready
+            with torch.cuda.stream(side):
+                # Its scratch is freed on the side stream, whose next use waits for the main stream
+                # (the wait above, at the next call), so the expand below has read it by then.
+                partial = lora.backend.shrink(x, *args)
+            y = F.linear(x, self.weight, self.bias)
+            main.wait_stream(side)
+        if partial is not None:
+            lora.backend.expand(y, partial)
+        return y
 
     def load_slice(self, index: int, tensor: torch.Tensor, bias: bool = False) -> None:
         """Copy one logical projection (a fused slice) from a checkpoint tensor."""

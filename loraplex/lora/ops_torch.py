@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -115,10 +116,34 @@ class TorchLoRABackend:
         group: str,
         slice_offsets: Sequence[int],
     ) -> None:
+        partial = self.shrink(x, meta, table, layer, group, slice_offsets)
+        if partial is not None:
+            self.expand(y, partial)
+
+    def shrink(
+        self,
+        x: torch.Tensor,
+        meta: LoRABatchMetadata,
+        table: LoRASlotTable,
+        layer: int,
+        group: str,
+        slice_offsets: Sequence[int],
+    ) -> TorchLoRAPartial | None:
+        """`lora_shrink` for one call; `expand` finishes it (None: nothing to do)."""
         meta = meta.live(table)  # a captured-shape step: read what its buffers hold now
         if meta.num_lora_rows == 0 or not meta.targets_group(layer, group):
-            return
+            return None
         pairs = segment_pairs(meta, table, layer, group)
         self.calls[group] += 1
-        h = lora_shrink(x, meta, pairs)
-        lora_expand(y, h, meta, pairs, slice_offsets)
+        return TorchLoRAPartial(lora_shrink(x, meta, pairs), meta, pairs, tuple(slice_offsets))
+
+    def expand(self, y: torch.Tensor, partial: TorchLoRAPartial) -> None:
+        lora_expand(y, partial.h, partial.meta, partial.pairs, partial.slice_offsets)
+
+
+@dataclass(frozen=True)
+class TorchLoRAPartial:
+    h: torch.Tensor
+    meta: LoRABatchMetadata
+    pairs: list[list[LoRAPair | None]]
+    slice_offsets: tuple[int, ...]

@@ -23,6 +23,7 @@ from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.triton_config import (
     FusedPlan,
     LoRATiling,
+    ShrinkSplit,
     block_r_for,
     blocks_per_sm,
     pick_tiling,
@@ -40,6 +41,34 @@ class _StepInfo:
     coverage: int  # OR of target bits over the step's slots
     block_r: int
     max_seg_rows: int
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    """One call's launch parameters, shared by its shrink and expand launches."""
+
+    dev: LoRADeviceTable
+    step: _StepInfo
+    tiling: LoRATiling
+    tabs: GroupTables
+    slice_mask: int
+    n_slices: int
+    n_segs: int
+    row_tiles: int
+    split: ShrinkSplit
+    r_chunks: int
+    cols: list[int]
+    widest: int
+
+
+@dataclass(frozen=True)
+class LoRAPartial:
+    """A `shrink` result waiting for its `expand`: H and how it was launched."""
+
+    call: _CallPlan
+    h: torch.Tensor
+    meta: LoRABatchMetadata
+    slice_offsets: tuple[int, ...]
 
 
 # Row tiles a fused call may have: the size of the per-device arrival counter buffer, one counter
@@ -156,65 +185,126 @@ class TritonLoRABackend:
         slice_offsets: Sequence[int],
     ) -> None:
         # y: [T, d_out_total] base output, updated in place; x: [T, d_in]
-        if meta.num_lora_rows == 0 or not meta.targets_group(layer, group):
+        call = self._plan_call(x, meta, table, layer, group, slice_offsets)
+        if call is None:
             return
+        self._check_y(y, x, slice_offsets)
+        if (
+            call.tiling.fused
+            and call.step.block_r <= call.tiling.fused_max_rank
+            and self._launch_fused(
+                y,
+                x,
+                meta,
+                call.dev,
+                call.tabs,
+                call.tiling,
+                call.step,
+                call.n_segs * call.row_tiles,
+                call.r_chunks,
+                call.slice_mask,
+                slice_offsets,
+                call.cols,
+            )  # fmt: skip
+        ):
+            self.calls[group] += 1
+            return
+        self._launch_expand(y, self._launch_shrink(x, meta, call), meta, call)
+        self.calls[group] += 1
+
+    def shrink(
+        self,
+        x: torch.Tensor,
+        meta: LoRABatchMetadata,
+        table: LoRASlotTable,
+        layer: int,
+        group: str,
+        slice_offsets: Sequence[int],
+    ) -> LoRAPartial | None:
+        """The first half of `apply` as its own launch (H = X A^T for every segment and slice),
+        so it can run while the base GEMM computes y; `expand` finishes the op. None: nothing to
+        do for this call (no launch)."""
+        call = self._plan_call(x, meta, table, layer, group, slice_offsets)
+        if call is None:
+            return None
+        self.calls[group] += 1
+        return LoRAPartial(call, self._launch_shrink(x, meta, call), meta, tuple(slice_offsets))
+
+    def expand(self, y: torch.Tensor, partial: LoRAPartial) -> None:
+        """y += s * H B^T for a `shrink` result, in place."""
+        self._check_y(y, None, partial.slice_offsets)
+        self._launch_expand(y, partial.h, partial.meta, partial.call)
+
+    def _plan_call(
+        self,
+        x: torch.Tensor,
+        meta: LoRABatchMetadata,
+        table: LoRASlotTable,
+        layer: int,
+        group: str,
+        slice_offsets: Sequence[int],
+    ) -> _CallPlan | None:
+        """Everything both launches need, from host values only; None when nothing is launched."""
+        if meta.num_lora_rows == 0 or not meta.targets_group(layer, group):
+            return None
         dev = self.device_table(x.device)
         dev.sync(table)
         step = self._step_info(meta, dev)
         slices = GROUP_SLICES[group]
-        n_slices = len(slices)
         slice_mask = 0
         for i, t in enumerate(slices):
             if step.coverage & target_bit(layer, t):
                 slice_mask |= 1 << i
         if slice_mask == 0:
-            return
-        self._check(y, x, dev, layer, slices, slice_mask, slice_offsets)
-
+            return None
+        self._check(x, dev, layer, slices, slice_mask, slice_offsets)
         tiling = self.tiling or pick_tiling(step.max_seg_rows)
-        num_rows, d_in = meta.num_lora_rows, x.shape[1]
         n_segs = meta.num_segments
         row_tiles = _cdiv(step.max_seg_rows, tiling.block_m)
-        split = split_k(tiling, d_in, n_segs * row_tiles, self._num_sms(x.device))
-        tabs = dev.group(layer, group)
-        cols = list(slice_offsets) + [slice_offsets[-1]] * (4 - len(slice_offsets))
-        widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_slices))
-        rank_aligned = dev.rank_aligned
-        w_align = 16 // dev.base.element_size()
+        return _CallPlan(
+            dev=dev,
+            step=step,
+            tiling=tiling,
+            tabs=dev.group(layer, group),
+            slice_mask=slice_mask,
+            n_slices=len(slices),
+            n_segs=n_segs,
+            row_tiles=row_tiles,
+            split=split_k(tiling, x.shape[1], n_segs * row_tiles, self._num_sms(x.device)),
+            r_chunks=step.block_r // min(step.block_r, tiling.shrink_block_r),
+            cols=list(slice_offsets) + [slice_offsets[-1]] * (4 - len(slice_offsets)),
+            widest=max(slice_offsets[i + 1] - slice_offsets[i] for i in range(len(slices))),
+        )
 
-        k = self._k
-        r_chunks = step.block_r // min(step.block_r, tiling.shrink_block_r)
-        tiles = n_segs * row_tiles
-        if (
-            tiling.fused
-            and step.block_r <= tiling.fused_max_rank
-            and self._launch_fused(
-                y, x, meta, dev, tabs, tiling, step, tiles, r_chunks, slice_mask, slice_offsets, cols
-            )
-        ):
-            self.calls[group] += 1
-            return
-
+    def _launch_shrink(self, x: torch.Tensor, meta: LoRABatchMetadata, c: _CallPlan) -> torch.Tensor:
         # h: [n_split, n_slices, R, BLOCK_R] float32; every block the expand reads is written first
-        h = self._scratch((split.n_split, n_slices, num_rows, step.block_r), x.device)
-        k.lora_shrink_kernel[k.shrink_grid(n_segs * r_chunks, row_tiles, split.n_split)](
-            x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
-            dev.n_slots, d_in, x.stride(0), num_rows, row_tiles,
-            N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=rank_aligned, W_ALIGN=w_align,
+        k, dev, step, tiling = self._k, c.dev, c.step, c.tiling
+        num_rows, d_in = meta.num_lora_rows, x.shape[1]
+        h = self._scratch((c.split.n_split, c.n_slices, num_rows, step.block_r), x.device)
+        k.lora_shrink_kernel[k.shrink_grid(c.n_segs * c.r_chunks, c.row_tiles, c.split.n_split)](
+            x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, c.tabs.a_offs, c.tabs.ranks,
+            dev.n_slots, d_in, x.stride(0), num_rows, c.row_tiles,
+            N_SLICES=c.n_slices, SLICE_MASK=c.slice_mask, RANK_ALIGNED=dev.rank_aligned,
+            W_ALIGN=16 // dev.base.element_size(),
             BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r,
-            BLOCK_RC=step.block_r // r_chunks, K_CHUNK=split.k_chunk,
+            BLOCK_RC=step.block_r // c.r_chunks, K_CHUNK=c.split.k_chunk,
             num_warps=tiling.shrink_warps, num_stages=tiling.shrink_stages,
         )  # fmt: skip
-        k.lora_expand_kernel[k.expand_grid(n_segs, row_tiles, _cdiv(widest, tiling.n_chunk), n_slices)](
+        return h
+
+    def _launch_expand(self, y: torch.Tensor, h: torch.Tensor, meta: LoRABatchMetadata, c: _CallPlan) -> None:
+        k, dev, step, tiling, cols = self._k, c.dev, c.step, c.tiling, c.cols
+        grid = k.expand_grid(c.n_segs, c.row_tiles, _cdiv(c.widest, tiling.n_chunk), c.n_slices)
+        k.lora_expand_kernel[grid](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots,
-            tabs.b_offs, tabs.ranks, tabs.scales, dev.n_slots, y.stride(0), num_rows, row_tiles, *cols,
-            N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=rank_aligned, W_ALIGN=w_align,
-            COLS_ALIGNED=all(c % 8 == 0 for c in cols),
+            c.tabs.b_offs, c.tabs.ranks, c.tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows,
+            c.row_tiles, *cols,
+            N_SLICES=c.n_slices, SLICE_MASK=c.slice_mask, RANK_ALIGNED=dev.rank_aligned,
+            W_ALIGN=16 // dev.base.element_size(), COLS_ALIGNED=all(v % 8 == 0 for v in cols),
             BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_R=step.block_r,
-            N_SPLIT=split.n_split, N_CHUNK=tiling.n_chunk,
+            N_SPLIT=c.split.n_split, N_CHUNK=tiling.n_chunk,
             num_warps=tiling.expand_warps, num_stages=tiling.expand_stages,
         )  # fmt: skip
-        self.calls[group] += 1
 
     def _scratch(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         h = torch.empty(shape, dtype=torch.float32, device=device)
@@ -325,7 +415,6 @@ class TritonLoRABackend:
 
     @staticmethod
     def _check(
-        y: torch.Tensor,
         x: torch.Tensor,
         dev: LoRADeviceTable,
         layer: int,
@@ -335,10 +424,15 @@ class TritonLoRABackend:
     ) -> None:
         """Shape/dtype guards: the kernels trust these, and a mismatch would read out of bounds."""
         assert len(slice_offsets) == len(slices) + 1, (slices, slice_offsets)
-        assert x.dtype == y.dtype == dev.dtype, (x.dtype, y.dtype, dev.dtype)
-        assert x.stride(1) == 1 and y.stride(1) == 1 and y.shape[0] == x.shape[0]
-        assert slice_offsets[-1] <= y.shape[1]
+        assert x.dtype == dev.dtype, (x.dtype, dev.dtype)
+        assert x.stride(1) == 1
         for i, t in enumerate(slices):
             if slice_mask >> i & 1 and (layer, t) in dev.dims:  # absent: no adapter has it (rank 0)
                 want = (x.shape[1], slice_offsets[i + 1] - slice_offsets[i])
                 assert dev.dims[(layer, t)] == want, (layer, t, dev.dims[(layer, t)], want)
+
+    @staticmethod
+    def _check_y(y: torch.Tensor, x: torch.Tensor | None, slice_offsets: Sequence[int]) -> None:
+        assert y.stride(1) == 1 and slice_offsets[-1] <= y.shape[1]
+        if x is not None:
+            assert y.dtype == x.dtype and y.shape[0] == x.shape[0], (y.dtype, x.dtype, y.shape, x.shape)

@@ -325,3 +325,27 @@ def test_streamed_fused_plan_needs_only_shrinks_resident() -> None:
     be = _backend(STREAMED_DECODE)
     _check_all_groups(be, [0, 1, 2, 1, -1, 0, 2] * 4, table)
     assert any(p is not None and p.streamed for p in be._plans.values())
+
+
+@pytest.mark.parametrize("tiling", [None, SMALL_PREFILL], ids=["default", "prefill"])
+def test_shrink_then_expand_equals_apply(tiling) -> None:  # noqa: ANN001
+    # the two halves the engine overlaps with the base GEMM give apply's two-launch result exactly
+    table = make_table([16, 8, 32], DTYPE, "cpu", seed=40, targets=[None, ("q", "up"), None])
+    slots = [0, 1, -1, 2, 2, 0, 1] * 3
+    meta = LoRABatchMetadata.build(slots, table)
+    split = _backend(with_overrides(tiling or DECODE, fused=False))
+    halves = _backend(tiling)
+    gen = torch.Generator().manual_seed(41)
+    for group, (d_in, widths) in SMALL_SHAPES.items():
+        offs = slice_offsets(widths)
+        x = torch.randn(len(slots), d_in, generator=gen)
+        y0 = torch.randn(len(slots), offs[-1], generator=gen)
+        ya, yb = y0.clone(), y0.clone()
+        split.apply(ya, x, meta, table, 0, group, offs)
+        partial = halves.shrink(x, meta, table, 0, group, offs)
+        assert partial is not None
+        halves.expand(yb, partial)
+        assert torch.equal(ya, yb), group
+    base_only = LoRABatchMetadata.build([-1] * 3, table)
+    qkv = slice_offsets(SMALL_SHAPES["qkv"][1])
+    assert halves.shrink(torch.randn(3, 64), base_only, table, 0, "qkv", qkv) is None  # nothing launched
