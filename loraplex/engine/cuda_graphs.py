@@ -156,7 +156,8 @@ class StaticDecodeRunner:
     def can_run(self, plan: StepPlan) -> bool:
         if batch_bucket(len(plan.chunks), self.max_batch) is None:
             return False
-        return all(c.num_tokens == 1 and c.completes for c in plan.chunks)
+        width = self.width  # a block table longer than the static one cannot be written
+        return all(c.num_tokens == 1 and c.completes and len(c.seq.block_ids) <= width for c in plan.chunks)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, int]:
