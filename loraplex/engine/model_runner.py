@@ -8,6 +8,7 @@ import torch
 
 from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.scheduler import StepPlan
+from loraplex.host_to_device import to_device
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.layers.attention import AttentionMetadata
 from loraplex.layers.linear import LoRAStep
@@ -113,9 +114,9 @@ class ModelRunner:
         )
         lora_meta = LoRABatchMetadata.build(row_slots, self.lora_table, dev)
         lora = LoRAStep(lora_meta, self.lora_table, self.lora_backend) if lora_meta.num_segments else None
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        ids = to_device(input_ids, torch.int64, dev)
         hidden = self.model(ids, attn, self.kv.k, self.kv.v, lora, hidden_capture)
-        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=dev)
+        rows = to_device(sample_rows + prompt_rows, torch.int64, dev)
         logits = self.model.logits(hidden.index_select(0, rows)).float()
         n = len(sample_rows)
         return ForwardResult(

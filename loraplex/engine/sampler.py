@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.host_to_device import to_device
 from loraplex.types import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -32,15 +33,6 @@ class SampleResult:
     token_ids: list[int]  # one per row
     # Per row: None unless params.logprobs is set; else {sampled token: lp, top-N tokens: lp}.
     logprobs: list[dict[int, float] | None]
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A short host list as a tensor on `device`. On CUDA through pinned memory and a non-blocking
-    copy: `torch.tensor(values, device=cuda)` synchronizes the stream, so right after the forward's
-    launch the host would wait for the whole forward before queueing a single sampling kernel."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -68,16 +60,16 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
             topp_rows.append(i)
     # Dividing by a float32 tensor gives the same bits as transformers' `scores / temperature` (CPU).
     # Greedy rows get 1.0 here and are replaced by their point mass below.
-    temps = _to_device(temp_list, torch.float32, device)
+    temps = to_device(temp_list, torch.float32, device)
     out = logits.float() / temps[:, None]  # [N, V], a fresh tensor we may write into
 
     # A step applies to a subset of rows (gathered, masked, scattered back) or, when every row
     # takes it, to `out` in place: the same values either way, fewer device ops.
     if topk_rows:
         k_list = [params[i].top_k for i in topk_rows]
-        ks = _to_device(k_list, torch.int64, device)
+        ks = to_device(k_list, torch.int64, device)
         every = len(topk_rows) == n
-        rows = None if every else _to_device(topk_rows, torch.int64, device)
+        rows = None if every else to_device(topk_rows, torch.int64, device)
         sub = out if rows is None else out[rows]
         # Like TopKLogitsWarper: drop what is strictly below the k-th largest value, so ties with
         # the k-th value all survive.
@@ -91,9 +83,9 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     # transformers' generate skips the top-p warper at top_p == 1.0 (applied, it would also drop
     # tokens whose probability underflows to 0), so we do too.
     if topp_rows:
-        rows = None if len(topp_rows) == n else _to_device(topp_rows, torch.int64, device)
+        rows = None if len(topp_rows) == n else to_device(topp_rows, torch.int64, device)
         # 1 - top_p in double, rounded once to float32: what comparing with the python scalar does.
-        cutoff = _to_device([1.0 - params[i].top_p for i in topp_rows], torch.float32, device)
+        cutoff = to_device([1.0 - params[i].top_p for i in topp_rows], torch.float32, device)
         sub = out if rows is None else out[rows]
         # The same (unstable) sort as TopPLogitsWarper: where tied logits straddle the cutoff, which
         # of them survive is torch.sort's order, as in transformers. Each row is sorted on its own,
@@ -110,7 +102,7 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
             out[rows] = sub.masked_fill(drop, _NEG_INF)
 
     if greedy_rows:
-        rows = _to_device(greedy_rows, torch.int64, device)
+        rows = to_device(greedy_rows, torch.int64, device)
         point = torch.full((len(greedy_rows), vocab), _NEG_INF, dtype=torch.float32, device=device)
         point.scatter_(1, logits[rows].argmax(dim=-1, keepdim=True), 0.0)
         out[rows] = point
@@ -133,8 +125,8 @@ def logprob_dicts(
     if len(wanted) == len(top_n):
         sub = logprobs.float()  # [N, V]
     else:
-        sub = logprobs[_to_device(wanted, torch.int64, device)].float()  # [R, V]
-    chosen_ids = _to_device([int(chosen[i]) for i in wanted], torch.int64, device)
+        sub = logprobs[to_device(wanted, torch.int64, device)].float()  # [R, V]
+    chosen_ids = to_device([int(chosen[i]) for i in wanted], torch.int64, device)
     _, dicts = _rows_logprobs(sub, chosen_ids, [top_n[i] for i in wanted])  # type: ignore[misc]
     for i, d in zip(wanted, dicts, strict=True):
         out[i] = d
@@ -212,9 +204,9 @@ class Sampler:
             greedy = [i for i, t in enumerate(temps) if t == 0.0]
             sampled = [i for i, t in enumerate(temps) if t != 0.0]
             tokens = torch.empty(n, dtype=torch.long, device=device)
-            rows = _to_device(greedy, torch.int64, device)
+            rows = to_device(greedy, torch.int64, device)
             tokens[rows] = logits[rows].float().argmax(dim=-1)
-            rows = _to_device(sampled, torch.int64, device)
+            rows = to_device(sampled, torch.int64, device)
             tokens[rows] = self._sample(
                 logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
             )
@@ -227,7 +219,7 @@ class Sampler:
         token_ids = tokens.tolist()
         result: list[dict[int, float] | None] = [None] * n
         wanted = [i for i, k in enumerate(top_n) if k is not None]
-        rows = _to_device(wanted, torch.int64, device)
+        rows = to_device(wanted, torch.int64, device)
         logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # raw: before any warping
         _, dicts = _rows_logprobs(logprobs, tokens[rows], [top_n[i] for i in wanted])  # type: ignore[misc]
         for i, d in zip(wanted, dicts, strict=True):
@@ -251,7 +243,7 @@ class Sampler:
             uniform = torch.empty_like(scores)
             if shared:
                 draw = torch.rand((len(shared), scores.shape[1]), generator=self.generator, device=device)
-                uniform[_to_device(shared, torch.int64, device)] = draw
+                uniform[to_device(shared, torch.int64, device)] = draw
             # Row views from one unbind when most rows need one (cheaper than indexing each).
             rows = uniform.unbind(0) if 2 * len(shared) < len(generators) else uniform
             for j, g in enumerate(generators):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loraplex.host_to_device import to_device
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -74,8 +76,7 @@ class AttentionMetadata:
             for t in block_tables:
                 flat.extend(t)
                 flat.extend([0] * (width - len(t)))
-            packed = torch.tensor(flat + list(context_lens) + list(query_start), dtype=torch.int32)
-            packed = packed.to(dev, non_blocking=True)
+            packed = to_device(flat + list(context_lens) + list(query_start), torch.int32, dev)
             kernel_fields = dict(
                 block_table=packed[: n * width].view(n, width),
                 context_lens_t=packed[n * width : n * width + n],
@@ -88,11 +89,12 @@ class AttentionMetadata:
                 for b in t[: -(-length // block_size)]:
                     slots.extend(range(b * block_size, (b + 1) * block_size))
                 del slots[start + length :]
-            flat_idx = torch.tensor(slots, dtype=torch.int64).to(dev)
+            flat_idx = to_device(slots, torch.int64, dev)
             kv_indices = tuple(flat_idx.split(list(context_lens)))
+        rows = to_device(list(positions) + list(slot_mapping), torch.int64, dev)
         return cls(
-            positions=torch.tensor(list(positions), dtype=torch.int64).to(dev),
-            slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64).to(dev),
+            positions=rows[: len(positions)],
+            slot_mapping=rows[len(positions) :],
             query_start=tuple(query_start),
             context_lens=tuple(context_lens),
             kv_indices=kv_indices,

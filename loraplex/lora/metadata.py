@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.host_to_device import to_device
 from loraplex.lora.weights import LoRASlotTable
 
 BASE_SLOT = -1  # a row without an adapter
@@ -109,11 +110,14 @@ class LoRABatchMetadata:
             offsets.append(len(perm))
             slots.append(slot)
             active |= table.groups_of(slot)
+        dev = torch.device(device)
+        packed = to_device(perm + offsets + slots, torch.int64, dev)  # one copy for the three
+        n, s = len(perm), len(slots)
         return cls(
             num_rows=len(row_slots),
-            row_perm=torch.tensor(perm, dtype=torch.int64, device=device),
-            seg_offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
-            seg_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+            row_perm=packed[:n],
+            seg_offsets=packed[n : n + s + 1],
+            seg_slots=packed[n + s + 1 :],
             seg_offsets_host=tuple(offsets),
             seg_slots_host=tuple(slots),
             active_groups=frozenset(active),
