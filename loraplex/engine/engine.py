@@ -276,6 +276,12 @@ class Engine:
         sd = self.runner.static_decode
         return sd.replays if sd is not None and sd.capture else 0
 
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (one per new decode shape; a steady workload stops adding)."""
+        sd = self.runner.static_decode
+        return sd.captures if sd is not None else 0
+
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -76,6 +76,9 @@ class ServerMetrics(StepObserver):
         self.graph_replays = Counter(
             "loraplex_cuda_graph_replays", "Decode steps run as CUDA-graph replays", registry=r
         )
+        self.graph_captures = Gauge(
+            "loraplex_cuda_graphs_captured", "CUDA graphs captured (one per new decode shape)", registry=r
+        )
         self._max_adapters = 0
 
     # --- StepObserver (called on the engine thread) ---------------------------------------------
@@ -111,6 +114,7 @@ class ServerMetrics(StepObserver):
             self.preemptions.inc(len(stats.preempted))
         if stats.static_replay and engine.graph_replays:
             self.graph_replays.inc()
+        self.graph_captures.set(engine.graph_captures)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

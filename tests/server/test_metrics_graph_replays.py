@@ -39,10 +39,12 @@ def test_graph_replays_counted_only_for_real_replays() -> None:
         pool=SimpleNamespace(num_used=1, num_blocks=8),
         last_stats=_stats(True),
         graph_replays=1,
+        graph_captures=3,
     )
     metrics.on_step(engine)
     metrics.on_step(engine)
     assert _replays(metrics) == 2
+    assert re.search(r"^loraplex_cuda_graphs_captured 3\.0$", metrics.render().decode(), re.M)
     engine.last_stats = _stats(False)  # an eager step
     metrics.on_step(engine)
     engine.last_stats, engine.graph_replays = _stats(True), 0  # static buffers, no graphs (CPU)
