@@ -22,6 +22,7 @@ tests check the buffers, padding and segment cutting; capture and replay need CU
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,6 +37,9 @@ from loraplex.lora.metadata import BASE_SLOT, LoRABatchMetadata, StaticLoRAShape
 from loraplex.lora.triton_config import DECODE, block_r_for
 from loraplex.lora.weights import LoRASlotTable
 from loraplex.model.llama import LlamaFamilyModel
+
+if TYPE_CHECKING:
+    from loraplex.engine.engine import Engine
 
 SEGMENT_ROWS = DECODE.block_m  # longest LoRA segment of a captured step: one row tile
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -151,6 +155,23 @@ class StaticDecodeRunner:
         self._ranks_version = -1
         self._all_groups = frozenset(
             (layer, g) for layer in range(model.config.num_hidden_layers) for g in GROUP_SLICES
+        )
+
+    @classmethod
+    def for_engine(
+        cls, engine: Engine, max_batch: int, capture: bool, lora_overlap: bool = False
+    ) -> StaticDecodeRunner:
+        """A runner over an engine's model, KV cache, LoRA table and backend."""
+        return cls(
+            engine.model,
+            engine.kv,
+            engine.lora_table,
+            engine.lora_backend,
+            engine.device,
+            max_batch,
+            engine.max_model_len,
+            capture=capture,
+            lora_overlap=lora_overlap,
         )
 
     def can_run(self, plan: StepPlan) -> bool:
@@ -293,10 +314,7 @@ class StaticDecodeRunner:
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Record with an all-padding step (no KV writes, empty LoRA segments on the null slot), so
         # the warm-up and the capture itself change no state.
-        b = inputs.batch
-        inputs.h64[:] = 0
-        inputs.h64[2 * b : 3 * b] = -1
-        inputs.h32[:b] = 0
+        self._fill(inputs, (), 0)
         if key.lora is not None:
             _, null_slot = self.lora_backend.graph_epoch(self.lora_table, self.device)
             self._fill_lora(inputs, [], key.lora[0], null_slot)

@@ -258,16 +258,8 @@ class Engine:
         max_batch = min(config.graphs.cuda_graph_max_batch, config.scheduler.max_num_seqs)
         if self.device.type != "cuda" or max_batch == 0:
             return None
-        return StaticDecodeRunner(
-            self.model,
-            self.kv,
-            self.lora_table,
-            self.lora_backend,
-            self.device,
-            max_batch,
-            self.max_model_len,
-            capture=True,
-            lora_overlap=bool(config.graphs.lora_overlap),
+        return StaticDecodeRunner.for_engine(
+            self, max_batch, capture=True, lora_overlap=bool(config.graphs.lora_overlap)
         )
 
     @property

@@ -169,11 +169,12 @@ def paged_attention_torch(
     (query head h reads kv head h // (Hq / Hkv)). Needs `meta.kv_indices`.
     """
     n_kv, head_dim = k.shape[1], k.shape[2]
+    padded = meta.static  # only a captured-shape step has padding rows (slot -1: written nowhere)
     meta = meta.live(k_cache.shape[1])
     flat_k = k_cache.view(-1, n_kv, head_dim)
     flat_v = v_cache.view(-1, n_kv, head_dim)
     slots = meta.slot_mapping
-    if slots.numel() and int(slots.min()) < 0:  # padding rows of a captured-shape step write nowhere
+    if padded:
         keep = slots >= 0
         k, v, slots = k[keep], v[keep], slots[keep]
     flat_k.index_copy_(0, slots, k)

@@ -37,16 +37,8 @@ def _engine(tmp_path: Path, device: str, overlap: int = 0):  # noqa: ANN202
         )
     e = llm.engine
     if device == "cpu":
-        e.runner.static_decode = StaticDecodeRunner(
-            e.model,
-            e.kv,
-            e.lora_table,
-            e.lora_backend,
-            e.device,
-            16,
-            e.max_model_len,
-            capture=False,
-            lora_overlap=bool(overlap),
+        e.runner.static_decode = StaticDecodeRunner.for_engine(
+            e, 16, capture=False, lora_overlap=bool(overlap)
         )
     return e
 

@@ -32,17 +32,7 @@ def _llms(tmp_path: Path, max_batch: int, overlap: bool = False) -> tuple[LLM, L
         for name, path in paths.items():
             llm.register_adapter(name, path)
     e = llms[1].engine
-    e.runner.static_decode = StaticDecodeRunner(
-        e.model,
-        e.kv,
-        e.lora_table,
-        e.lora_backend,
-        e.device,
-        max_batch,
-        e.max_model_len,
-        capture=False,
-        lora_overlap=overlap,
-    )
+    e.runner.static_decode = StaticDecodeRunner.for_engine(e, max_batch, capture=False, lora_overlap=overlap)
     return llms
 
 
