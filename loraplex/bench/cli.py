@@ -46,6 +46,7 @@ def _engine(args: argparse.Namespace) -> int:
         lora_tiling=args.lora_tiling,
         lora_overlap=True if args.lora_overlap else None,
         repeats=args.repeats,
+        also=tuple(v for v in (args.also or "").split(";") if v.strip()) or None,
     )
     report = run(bench_args, args.out)
     for name, value in summary_rows(report):
@@ -82,6 +83,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     e.add_argument(
         "--lora-overlap", action="store_true", help="LoRA ops concurrent with their base GEMMs (side stream)"
+    )
+    e.add_argument(
+        "--also",
+        help="more LoRA configurations timed in every repeat, ';'-separated: 'overlap', a tiling "
+        "variant, or both joined by '+' (e.g. 'overlap;decode a-early;overlap+decode a-early')",
     )
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)

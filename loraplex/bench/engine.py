@@ -21,6 +21,8 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,10 @@ from loraplex.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.engine import Engine
 from loraplex.lora.layout import TARGETS
+from loraplex.lora.triton_config import LoRATiling
 from loraplex.lora.weights import AdapterWeights, LoRAPair
 from loraplex.model.llama import LlamaFamilyModel
 from loraplex.model.registry import MODEL_CLASSES
@@ -66,6 +70,10 @@ class EngineBenchArgs:
     lora_overlap: bool = False  # LoRA ops concurrent with the base GEMMs in captured steps
     lora_tiling: str | None = None  # a `bench kernels` tiling variant for the LoRA kernels (None: default)
     repeats: int = 3  # base-only / LoRA pairs, alternating; medians reported
+    # More LoRA configurations timed in every repeat of the same run (same model, adapters and
+    # GPU state): "overlap" (LoRA shrink beside the base GEMM), a tiling variant's name, or both
+    # joined by "+" ("overlap+decode a-early")
+    also: tuple[str, ...] = ()
 
     @classmethod
     def preset(cls, tiny: bool, **overrides: Any) -> EngineBenchArgs:
@@ -350,14 +358,26 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
     # spread of the per-pair ratios shows how much one pair can be trusted.
     pairs = []
     base = lora = None
+    variants = {v: _LoRAVariant.parse(v, engine, args) for v in args.also} if names else {}
     for r in range(args.repeats):
         b = run_mode(engine, args, [], "base", profile=r == 0)
         m = run_mode(engine, args, names, "lora", profile=r == 0) if names else None
         base, lora = base or b, lora or m
-        pairs.append({"base_ms": b["step_ms"], "lora_ms": m["step_ms"] if m else None})
+        pairs.append({"base_ms": b["step_ms"], "lora_ms": m["step_ms"] if m else None, "also": {}})
+        for v, variant in variants.items():
+            with variant.installed():
+                pairs[-1]["also"][v] = run_mode(engine, args, names, "lora " + v, profile=False)["step_ms"]
     assert base is not None
     base_ms = statistics.median(p["base_ms"] for p in pairs)
     ratios = [p["lora_ms"] / p["base_ms"] for p in pairs] if lora else []
+    also = {}
+    for v in variants:
+        vr = [p["also"][v] / p["base_ms"] for p in pairs]
+        also[v] = {
+            "step_ms": statistics.median(p["also"][v] for p in pairs),
+            "over_base": statistics.median(vr),
+            "over_base_range": [min(vr), max(vr)],
+        }
 
     kv_token_bytes = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
     bytes_ = {
@@ -397,11 +417,56 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         "base_over_floor": base_ms / floor_ms,
         "lora_over_base": statistics.median(ratios) if ratios else None,  # median of per-pair ratios
         "lora_over_base_range": [min(ratios), max(ratios)] if ratios else None,
+        "also": also,  # per extra LoRA configuration (args.also): median step and ratios to base
     }
     report["targets"] = _targets(report)
     if out_dir is not None:
         write_report(report, out_dir, plot_png)
     return report
+
+
+@dataclass
+class _LoRAVariant:
+    """An extra LoRA configuration of `--also`: its own static decode runner (graphs captured for
+    it) and LoRA tiling, swapped into the engine while it is timed."""
+
+    engine: Engine
+    runner: StaticDecodeRunner | None
+    tiling: LoRATiling | None
+
+    @classmethod
+    def parse(cls, spec: str, engine: Engine, args: EngineBenchArgs) -> _LoRAVariant:
+        from loraplex.bench.kernels import TILING_VARIANTS
+
+        parts = [p.strip() for p in spec.split("+")]
+        overlap = "overlap" in parts
+        names = [p for p in parts if p != "overlap"]
+        if len(names) > 1 or (names and names[0] not in TILING_VARIANTS):
+            raise SystemExit(
+                f"--also {spec!r}: expected 'overlap', a tiling variant or both joined by '+'; "
+                f"tiling variants: {', '.join(TILING_VARIANTS)}"
+            )
+        runner = engine.runner.static_decode
+        if overlap or runner is not None:
+            capture = runner.capture if runner is not None else False
+            runner = StaticDecodeRunner.for_engine(engine, args.batch, capture=capture, lora_overlap=overlap)
+        current = getattr(engine.lora_backend, "tiling", None)  # the torch backend (CPU) has none
+        return cls(engine, runner, TILING_VARIANTS[names[0]] if names else current)
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        runner, backend = self.engine.runner, self.engine.lora_backend
+        has_tiling = hasattr(backend, "tiling")
+        saved = runner.static_decode, getattr(backend, "tiling", None)
+        runner.static_decode = self.runner
+        if has_tiling:
+            backend.tiling = self.tiling
+        try:
+            yield
+        finally:
+            runner.static_decode = saved[0]
+            if has_tiling:
+                backend.tiling = saved[1]
 
 
 def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -443,6 +508,9 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         (f"base / floor{floor_note}", ratio(report["base_over_floor"])),
         ("LoRA / base (median of pairs)", ratio(report["lora_over_base"])),
         ("LoRA / base, pair range", _range(report.get("lora_over_base_range"))),
+    ] + [
+        (f"LoRA [{v}] / base (median, range)", f"{ratio(a['over_base'])} ({_range(a['over_base_range'])})")
+        for v, a in report.get("also", {}).items()
     ]
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from loraplex.bench.gemm_lora import layer_modes
 from loraplex.bench.kernel_cases import (
     GROUPS,
     LAYER,
@@ -53,6 +54,9 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode all-resident": with_overrides(DECODE, fused_expand_sub=0),
     "decode stream2": with_overrides(DECODE, fused_expand_sub=2),
     "decode stream4": with_overrides(DECODE, fused_expand_sub=4),
+    # the first K step's A tiles loaded before the PDL wait; bk256: a decode chunk is one step
+    "decode a-early": with_overrides(DECODE, a_early=True),
+    "decode a-early bk256": with_overrides(DECODE, a_early=True, block_k=256),
     "prefill": PREFILL,
 }
 TILING_CASES = (
@@ -94,7 +98,7 @@ class KernelBench:
         self.timer = GpuTimer(device, reps, warmup)
         self.backend_cls = TritonLoRABackend
         self.tables: dict[str, LoRASlotTable] = {}
-        self._base_w = {
+        self.base_weights = {
             g: torch.randn(sum(w), d, device=device, dtype=DTYPE) * d**-0.5 for g, (d, w) in LLAMA3_8B.items()
         }
         self._base_cache: dict[int, dict[str, dict[str, float]]] = {}
@@ -120,7 +124,7 @@ class KernelBench:
         """Base linear layers of the same shapes (cuBLAS through F.linear), cached per row count."""
         if rows not in self._base_cache:
             xs, _ = self._io(rows)
-            fns = {g: (lambda g=g: F.linear(xs[g], self._base_w[g])) for g in GROUPS}
+            fns = {g: (lambda g=g: F.linear(xs[g], self.base_weights[g])) for g in GROUPS}
             fns[LAYER] = lambda: [fns[g]() for g in GROUPS]
             self._base_cache[rows] = {g: self._time_pair(fn) for g, fn in fns.items()}
         return self._base_cache[rows]
@@ -192,6 +196,7 @@ def run(
     warmup: int = 5,
     sweep: bool = True,
     variants: set[str] | None = None,
+    gemm_lora: bool = True,
 ) -> dict:
     """variants: the tiling variants the sweep times (None: all of TILING_VARIANTS)."""
     import triton
@@ -232,6 +237,20 @@ def run(
         report["results"].append(res)
         report["targets"] = evaluate_targets(report["results"], copy_bw, mm_rate)
         write_report(report, out_dir, plot_png=False)  # partial results survive a cut-short run
+    if gemm_lora:
+        tilings = {n: t for n, t in TILING_VARIANTS.items() if n.startswith("decode")}
+        if variants is not None:
+            tilings = {n: t for n, t in tilings.items() if n in variants or n == "decode"}
+        try:
+            report["gemm_lora"] = layer_modes(
+                bench.timer, TARGET_DECODE, bench.table(TARGET_DECODE.ranks), bench.base_weights, tilings
+            )
+        except Exception as e:  # the table is extra: its failure must not cost the sweep
+            print(f"GEMM + LoRA table: {type(e).__name__}: {e}", flush=True)
+        for r in report.get("gemm_lora", []):
+            print(f"  gemm+lora {r['mode']:20s} {r['tiling']:22s} graph {r['graph_us']:8.1f} us "
+                  f"{r['over_base']:6.3f} x base", flush=True)  # fmt: skip
+        write_report(report, out_dir, plot_png=False)
     if sweep:
         for case in TILING_CASES:
             for name, tiling in TILING_VARIANTS.items():

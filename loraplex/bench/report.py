@@ -75,6 +75,18 @@ def markdown(report: dict) -> str:
         ]
         for t in report["tiling"]:
             lines.append(f"| {t['case']} | {t['tiling']} | {t['eager_us']:.1f} | {t['graph_us']:.1f} |")
+    if report.get("gemm_lora"):
+        lines += [
+            "",
+            "## Base GEMMs + LoRA op of one layer (graph replay, µs; ratio to the GEMMs alone)",
+            "",
+            "| case | mode | tiling | graph | / base only |",
+            "| --- | --- | --- | ---: | ---: |",
+        ]
+        for t in report["gemm_lora"]:
+            lines.append(
+                f"| {t['case']} | {t['mode']} | {t['tiling']} | {t['graph_us']:.1f} | {t['over_base']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -36,14 +36,18 @@ def _slice_entry(
 
 
 @triton.jit
-def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+def _a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask):
     # a: [r, d_in] row-major; the tile is [BLOCK_R, BLOCK_K], rows past the rank masked (no bytes)
-    at = tl.load(
+    return tl.load(
         a_ptr + offs_r[:, None] * d_in + offs_k[None, :],
         mask=(offs_r[:, None] < rank) & k_mask[None, :],
         other=0.0,
     )
-    return tl.dot(xt, tl.trans(at), acc)
+
+
+@triton.jit
+def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+    return tl.dot(xt, tl.trans(_a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask)), acc)
 
 
 @triton.jit
@@ -238,7 +242,7 @@ def _fused_shrink_part(
     n_slots, d_in, stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
-    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, A_EARLY: tl.constexpr,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -266,18 +270,41 @@ def _fused_shrink_part(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
+    # An idle program (past its segment's rows or its adapter's rank) still arrives below.
+    live = (m0 < seg_hi) & (rc * BLOCK_RC < r_max)
+    k_lo = split * K_CHUNK
+    if A_EARLY:
+        # The first K step's A tiles depend on nothing the kernel before writes: load them before
+        # the wait, so they stream while that kernel finishes (masked off for idle programs).
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        k_mask = (offs_k < d_in) & live
+        if SLICE_MASK & 1:
+            at0 = _a_tile(a0, r0, d_in, offs_r, offs_k, k_mask)
+        if N_SLICES > 1 and SLICE_MASK & 2:
+            at1 = _a_tile(a1, r1, d_in, offs_r, offs_k, k_mask)
+        if N_SLICES > 2 and SLICE_MASK & 4:
+            at2 = _a_tile(a2, r2, d_in, offs_r, offs_k, k_mask)
     if USE_PDL:
         # Everything above reads only metadata and weights; X, h and the counters may still be in
         # use by the kernel this one overlaps, so they wait for it to finish.
         tl.extra.cuda.gdc_wait()
-    # An idle program (past its segment's rows or its adapter's rank) still arrives below.
-    if (m0 < seg_hi) & (rc * BLOCK_RC < r_max):
+    if live:
         acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
         x_rows = x_ptr + rows[:, None] * stride_xm
-        k_lo = split * K_CHUNK
-        for kk in range(0, K_CHUNK, BLOCK_K):
+        K_FIRST: tl.constexpr = BLOCK_K if A_EARLY else 0
+        if A_EARLY:
+            offs_k = k_lo + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < d_in
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if SLICE_MASK & 1:
+                acc0 = tl.dot(xt, tl.trans(at0), acc0)
+            if N_SLICES > 1 and SLICE_MASK & 2:
+                acc1 = tl.dot(xt, tl.trans(at1), acc1)
+            if N_SLICES > 2 and SLICE_MASK & 4:
+                acc2 = tl.dot(xt, tl.trans(at2), acc2)
+        for kk in range(K_FIRST, K_CHUNK, BLOCK_K):
             offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
             k_mask = offs_k < d_in
             xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -420,6 +447,7 @@ def lora_fused_kernel(
     BLOCK_N: tl.constexpr,
     N_SUB: tl.constexpr,  # expand: BLOCK_N-column tiles per program
     USE_PDL: tl.constexpr,  # 0: off; 1: next call may start once all programs are past their wait; 2: at once
+    A_EARLY: tl.constexpr,  # shrink: the first K step's A tiles are loaded before the PDL wait
 ):
     # grid: (n_shrink + S * row_tiles * n_chunks,). Shrink and expand in one launch: the expand
     # programs of a row tile spin on its arrival counter until its N_SPLIT * R_CHUNKS shrink
@@ -433,7 +461,7 @@ def lora_fused_kernel(
         _fused_shrink_part(
             pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
             rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-            W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, USE_PDL,
+            W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, USE_PDL, A_EARLY,
         )  # fmt: skip
     else:
         _fused_expand_part(
