@@ -87,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--also",
         help="more LoRA configurations timed in every repeat, ';'-separated: 'overlap', a tiling "
-        "variant, or both joined by '+' (e.g. 'overlap;decode a-early;overlap+decode a-early')",
+        "variant, or both joined by '+' (e.g. 'overlap;decode bn512;overlap+decode bn512')",
     )
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)

@@ -72,7 +72,7 @@ class EngineBenchArgs:
     repeats: int = 3  # base-only / LoRA pairs, alternating; medians reported
     # More LoRA configurations timed in every repeat of the same run (same model, adapters and
     # GPU state): "overlap" (LoRA shrink beside the base GEMM), a tiling variant's name, or both
-    # joined by "+" ("overlap+decode a-early")
+    # joined by "+" ("overlap+decode bn512")
     also: tuple[str, ...] = ()
 
     @classmethod

@@ -54,9 +54,17 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode all-resident": with_overrides(DECODE, fused_expand_sub=0),
     "decode stream2": with_overrides(DECODE, fused_expand_sub=2),
     "decode stream4": with_overrides(DECODE, fused_expand_sub=4),
-    # the first K step's A tiles loaded before the PDL wait; bk256: a decode chunk is one step
-    "decode a-early": with_overrides(DECODE, a_early=True),
-    "decode a-early bk256": with_overrides(DECODE, a_early=True, block_k=256),
+    # expand programs with wider B tiles (more bytes per metadata chain), more or fewer warps
+    "decode bn512": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=8192),
+    "decode bn512 w8": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=8192, fused_warps=8),
+    "decode bn1024 w8": with_overrides(DECODE, fused_block_n=1024, fused_tile_elems=16384, fused_warps=8),
+    "decode w2": with_overrides(DECODE, fused_warps=2),
+    "decode bn128 w2": with_overrides(DECODE, fused_block_n=128, fused_warps=2),
+    "decode stages2": with_overrides(DECODE, fused_stages=2),
+    "decode late-count": with_overrides(DECODE, late_count_out=True),
+    "decode late-count bn512": with_overrides(
+        DECODE, late_count_out=True, fused_block_n=512, fused_tile_elems=8192
+    ),
     "prefill": PREFILL,
 }
 TILING_CASES = (

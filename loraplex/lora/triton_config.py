@@ -51,9 +51,9 @@ class LoRATiling:
     # the next call may start once all of this one's programs have started (else: once all are
     # past their waits, i.e. only the expand tail is left)
     pdl_early: bool = False
-    # fused shrink: the first K step's A tiles are loaded before the PDL wait (they stream while the
-    # kernel before finishes); K chunks may then be a single K step
-    a_early: bool = False
+    # expand programs count out of their row tile's counter after their stores, not right after
+    # the wait (the counter's round trip then delays no store)
+    late_count_out: bool = False
 
 
 DECODE = LoRATiling("decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1)
@@ -137,16 +137,14 @@ def plan_fused(
     # The grid is shared in proportion to the bytes each side streams (A: d_in per adapted slice,
     # B: the slices' widths; the rank cancels), so shrink and expand programs carry similar loads.
     # K is split as finely as the shrink share allows (any count, not only powers of two),
-    # keeping each chunk at least two K steps long (one when its first step's A loads early).
+    # keeping each chunk at least two K steps long.
     a_cols = d_in * sum(1 for w in widths if w)
     share = min(0.8, max(0.2, a_cols / (a_cols + sum(widths))))
     want = int(budget * share) // max(tiles * r_chunks, 1)
     block_n = max(16, min(tiling.fused_block_n, tiling.fused_tile_elems // block_r))
     n_tiles = [_cdiv(w, block_n) for w in widths]
     # fewer K chunks when the expand programs would not fit otherwise
-    min_steps = 1 if tiling.a_early else 2
-    most = d_in // (min_steps * tiling.block_k)
-    for n_split in range(max(1, min(want, tiling.fused_max_split, most)), 0, -1):
+    for n_split in range(max(1, min(want, tiling.fused_max_split, d_in // (2 * tiling.block_k))), 0, -1):
         chunk = _cdiv(_cdiv(d_in, n_split), tiling.block_k) * tiling.block_k
         split = ShrinkSplit(_cdiv(d_in, chunk), chunk)
         n_shrink = tiles * r_chunks * split.n_split

@@ -36,18 +36,14 @@ def _slice_entry(
 
 
 @triton.jit
-def _a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
     # a: [r, d_in] row-major; the tile is [BLOCK_R, BLOCK_K], rows past the rank masked (no bytes)
-    return tl.load(
+    at = tl.load(
         a_ptr + offs_r[:, None] * d_in + offs_k[None, :],
         mask=(offs_r[:, None] < rank) & k_mask[None, :],
         other=0.0,
     )
-
-
-@triton.jit
-def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
-    return tl.dot(xt, tl.trans(_a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask)), acc)
+    return tl.dot(xt, tl.trans(at), acc)
 
 
 @triton.jit
@@ -242,7 +238,7 @@ def _fused_shrink_part(
     n_slots, d_in, stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
-    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, A_EARLY: tl.constexpr,
+    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -270,41 +266,18 @@ def _fused_shrink_part(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
-    # An idle program (past its segment's rows or its adapter's rank) still arrives below.
-    live = (m0 < seg_hi) & (rc * BLOCK_RC < r_max)
-    k_lo = split * K_CHUNK
-    if A_EARLY:
-        # The first K step's A tiles depend on nothing the kernel before writes: load them before
-        # the wait, so they stream while that kernel finishes (masked off for idle programs).
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        k_mask = (offs_k < d_in) & live
-        if SLICE_MASK & 1:
-            at0 = _a_tile(a0, r0, d_in, offs_r, offs_k, k_mask)
-        if N_SLICES > 1 and SLICE_MASK & 2:
-            at1 = _a_tile(a1, r1, d_in, offs_r, offs_k, k_mask)
-        if N_SLICES > 2 and SLICE_MASK & 4:
-            at2 = _a_tile(a2, r2, d_in, offs_r, offs_k, k_mask)
     if USE_PDL:
         # Everything above reads only metadata and weights; X, h and the counters may still be in
         # use by the kernel this one overlaps, so they wait for it to finish.
         tl.extra.cuda.gdc_wait()
-    if live:
+    # An idle program (past its segment's rows or its adapter's rank) still arrives below.
+    if (m0 < seg_hi) & (rc * BLOCK_RC < r_max):
         acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
         x_rows = x_ptr + rows[:, None] * stride_xm
-        K_FIRST: tl.constexpr = BLOCK_K if A_EARLY else 0
-        if A_EARLY:
-            offs_k = k_lo + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < d_in
-            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if SLICE_MASK & 1:
-                acc0 = tl.dot(xt, tl.trans(at0), acc0)
-            if N_SLICES > 1 and SLICE_MASK & 2:
-                acc1 = tl.dot(xt, tl.trans(at1), acc1)
-            if N_SLICES > 2 and SLICE_MASK & 4:
-                acc2 = tl.dot(xt, tl.trans(at2), acc2)
-        for kk in range(K_FIRST, K_CHUNK, BLOCK_K):
+        k_lo = split * K_CHUNK
+        for kk in range(0, K_CHUNK, BLOCK_K):
             offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
             k_mask = offs_k < d_in
             xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -333,7 +306,7 @@ def _fused_expand_part(
     rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
-    N_SPLIT: tl.constexpr, ARRIVALS: tl.constexpr, USE_PDL: tl.constexpr,
+    N_SPLIT: tl.constexpr, ARRIVALS: tl.constexpr, USE_PDL: tl.constexpr, LATE_COUNT_OUT: tl.constexpr,
 ):  # fmt: skip
     # e -> (row tile, column chunk); chunks of all adapted slices are numbered consecutively
     # (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2: [ch2, n_chunks)), so none is idle by design.
@@ -380,9 +353,8 @@ def _fused_expand_part(
         spins += 1
     if seen < ARRIVALS:  # never expected: give up rather than hang the GPU, and say so
         tl.atomic_add(err_ptr, 1, sem="relaxed", scope="gpu")
-    # Count this program out; the last of the tile resets the counter for the next launch.
-    if tl.atomic_add(cnt, 1, sem="relaxed", scope="gpu") == ARRIVALS + n_chunks - 1:
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    if not LATE_COUNT_OUT:
+        _count_out(cnt, ARRIVALS + n_chunks - 1)
     if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()  # only the expand tail is left: the next call may start
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -402,6 +374,16 @@ def _fused_expand_part(
             b_mask = r_mask[:, None] & n_mask[None, :]
             bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=b_mask, other=0.0)
             tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + tl.dot(hs, bt)).to(yt.dtype), mask=y_mask)
+    if LATE_COUNT_OUT:
+        # after the stores: the counter's round trip is off the path from the wait to them
+        _count_out(cnt, ARRIVALS + n_chunks - 1)
+
+
+@triton.jit
+def _count_out(cnt, last):
+    # Count this program out; the last of the row tile resets the counter for the next launch.
+    if tl.atomic_add(cnt, 1, sem="relaxed", scope="gpu") == last:
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -447,7 +429,7 @@ def lora_fused_kernel(
     BLOCK_N: tl.constexpr,
     N_SUB: tl.constexpr,  # expand: BLOCK_N-column tiles per program
     USE_PDL: tl.constexpr,  # 0: off; 1: next call may start once all programs are past their wait; 2: at once
-    A_EARLY: tl.constexpr,  # shrink: the first K step's A tiles are loaded before the PDL wait
+    LATE_COUNT_OUT: tl.constexpr,  # expand programs count out after their stores (else: after the wait)
 ):
     # grid: (n_shrink + S * row_tiles * n_chunks,). Shrink and expand in one launch: the expand
     # programs of a row tile spin on its arrival counter until its N_SPLIT * R_CHUNKS shrink
@@ -461,14 +443,14 @@ def lora_fused_kernel(
         _fused_shrink_part(
             pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
             rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-            W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, USE_PDL, A_EARLY,
+            W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, USE_PDL,
         )  # fmt: skip
     else:
         _fused_expand_part(
             pid - n_shrink, y_ptr, w_base, h_ptr, cnt_ptr, err_ptr, row_perm_ptr, seg_offsets_ptr,
             seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1,
             col2, col3, ch1, ch2, n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N,
-            BLOCK_R, N_SUB, N_SPLIT, N_SPLIT * (BLOCK_R // BLOCK_RC), USE_PDL,
+            BLOCK_R, N_SUB, N_SPLIT, N_SPLIT * (BLOCK_R // BLOCK_RC), USE_PDL, LATE_COUNT_OUT,
         )  # fmt: skip
 
 

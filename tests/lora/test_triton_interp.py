@@ -227,23 +227,16 @@ def test_fused_partial_targets_and_repeated_calls() -> None:
     assert plan.chunks[1] == 0
 
 
-@pytest.mark.parametrize("block_k", [16, 32], ids=["several-k-steps", "one-k-step"])
-def test_fused_a_early_popularity_and_partial_targets(block_k: int) -> None:
-    # A's first K step loaded before the (CPU: absent) PDL wait: mixed ranks, idle tail tiles,
-    # slices nobody adapts; with block_k 32 most chunks are a single early-loaded step
-    tiling = with_overrides(FUSED_DECODE, a_early=True, block_k=block_k)
-    ranks = random_ranks(6, (8, 16, 32, 64), seed=21)
-    table = make_table(ranks, DTYPE, "cpu", seed=22)
-    slots = adapter_choices(14, len(ranks), "zipf", seed=23) + [5] * 18
-    slots[3] = -1
-    be = _backend(tiling, sms=8)
-    _check_all_groups(be, slots, table)
-    plans = _fused_plans(be)
-    assert len(plans) == 4 and any(p.split.n_split > 1 for p in plans)
-    if block_k == 32:
-        assert any(p.split.k_chunk == block_k for p in plans)
-    partial = make_table([16, 8], DTYPE, "cpu", seed=24, targets=[("q", "up"), ("v",)])
-    _check_all_groups(_backend(tiling, sms=8), [0, 1, 0, 1, -1], partial, groups=("qkv", "gate_up"))
+@pytest.mark.parametrize("popularity", ["distinct", "zipf"])
+def test_fused_late_count_out(popularity: str) -> None:
+    # expand programs count out after their stores: results and the counters' reset are unchanged
+    ranks = random_ranks(6, (8, 16, 32, 64), seed=31)
+    table = make_table(ranks, DTYPE, "cpu", seed=32)
+    slots = adapter_choices(14, len(ranks), popularity, seed=33) + [-1]
+    be = _backend(with_overrides(FUSED_DECODE, late_count_out=True, fused_expand_sub=1), sms=8)
+    for seed in range(2):
+        _check_all_groups(be, slots, table, seed=seed)
+    assert len(_fused_plans(be)) == 4
 
 
 def test_fused_falls_back_to_two_launches_when_the_grid_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,44 @@
+"""Run the decode target layer's LoRA op (M=64, D=32, r=16, all four groups) a few times, for
+Nsight Compute: `ncu --kernel-name lora_fused_kernel --launch-skip 8 --launch-count 4 \
+--section SpeedOfLight --section Occupancy --section WarpStateStats python scripts/ncu_lora_decode.py`
+(the first two layers compile and warm up; the profiled ones are the third layer's four calls).
+
+    usage: python scripts/ncu_lora_decode.py [tiling variant name, default "decode"]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from loraplex.bench.kernel_cases import GROUPS, LLAMA3_8B, RANK_MIXES, TARGET_DECODE
+from loraplex.bench.kernels import TILING_VARIANTS, build_table
+from loraplex.lora.metadata import LoRABatchMetadata
+from loraplex.lora.ops_triton import TritonLoRABackend
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    tiling = TILING_VARIANTS[sys.argv[1] if len(sys.argv) > 1 else "decode"]
+    case = TARGET_DECODE
+    table = build_table(RANK_MIXES[case.ranks], dev)
+    meta = LoRABatchMetadata.build(case.row_slots(), table, dev)
+    be = TritonLoRABackend(tiling)
+    bf16 = torch.bfloat16
+    xs = {g: torch.randn(case.rows, d, device=dev, dtype=bf16) for g, (d, _) in LLAMA3_8B.items()}
+    ys = {g: torch.randn(case.rows, sum(w), device=dev, dtype=bf16) for g, (_, w) in LLAMA3_8B.items()}
+    for _ in range(4):
+        for g in GROUPS:
+            widths = LLAMA3_8B[g][1]
+            offs = [0]
+            for w in widths:
+                offs.append(offs[-1] + w)
+            be.apply(ys[g], xs[g], meta, table, 0, g, offs)
+    torch.cuda.synchronize()
+    for g, n in be.calls.items():
+        print(g, n)
+
+
+if __name__ == "__main__":
+    main()
