@@ -61,6 +61,10 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode w2": with_overrides(DECODE, fused_warps=2),
     "decode bn128 w2": with_overrides(DECODE, fused_block_n=128, fused_warps=2),
     "decode stages2": with_overrides(DECODE, fused_stages=2),
+    "decode w2 bn512": with_overrides(DECODE, fused_warps=2, fused_block_n=512, fused_tile_elems=8192),
+    "decode w2 late-count": with_overrides(DECODE, fused_warps=2, late_count_out=True),
+    "decode split8": with_overrides(DECODE, fused_max_split=8),
+    "decode w2 split8": with_overrides(DECODE, fused_warps=2, fused_max_split=8),
     "decode late-count": with_overrides(DECODE, late_count_out=True),
     "decode late-count bn512": with_overrides(
         DECODE, late_count_out=True, fused_block_n=512, fused_tile_elems=8192
