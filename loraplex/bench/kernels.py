@@ -65,6 +65,13 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode w2 late-count": with_overrides(DECODE, fused_warps=2, late_count_out=True),
     "decode split8": with_overrides(DECODE, fused_max_split=8),
     "decode w2 split8": with_overrides(DECODE, fused_warps=2, fused_max_split=8),
+    # more K splits for the shrink (its programs' K loops bound the time expand programs wait)
+    "decode share.5": with_overrides(DECODE, fused_min_share=0.5),
+    "decode share1": with_overrides(DECODE, fused_min_share=1.0, fused_max_share=1.0),
+    "decode share1 split32": with_overrides(
+        DECODE, fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32
+    ),
+    "decode share.5 split32": with_overrides(DECODE, fused_min_share=0.5, fused_max_split=32),
     "decode late-count": with_overrides(DECODE, late_count_out=True),
     "decode late-count bn512": with_overrides(
         DECODE, late_count_out=True, fused_block_n=512, fused_tile_elems=8192

@@ -43,6 +43,10 @@ class LoRATiling:
     # because programs are dispatched in launch order and shrink programs come first and never
     # wait, so every program an expand program waits for is already resident.
     fused_expand_sub: int = 0
+    # bounds of the shrink programs' share of the fused grid budget (the share itself follows the
+    # bytes each side streams); with streamed expand programs the share only caps the K split
+    fused_min_share: float = 0.2
+    fused_max_share: float = 0.8
     fused_warps: int = 4
     fused_stages: int = 3
     # Programmatic dependent launch: a fused call may start (metadata and weight loads) while the
@@ -139,7 +143,7 @@ def plan_fused(
     # K is split as finely as the shrink share allows (any count, not only powers of two),
     # keeping each chunk at least two K steps long.
     a_cols = d_in * sum(1 for w in widths if w)
-    share = min(0.8, max(0.2, a_cols / (a_cols + sum(widths))))
+    share = min(tiling.fused_max_share, max(tiling.fused_min_share, a_cols / (a_cols + sum(widths))))
     want = int(budget * share) // max(tiles * r_chunks, 1)
     block_n = max(16, min(tiling.fused_block_n, tiling.fused_tile_elems // block_r))
     n_tiles = [_cdiv(w, block_n) for w in widths]
