@@ -72,6 +72,14 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
         DECODE, fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32
     ),
     "decode share.5 split32": with_overrides(DECODE, fused_min_share=0.5, fused_max_split=32),
+    "decode relaxed-poll": with_overrides(DECODE, relaxed_poll=True),
+    "decode split-launch": with_overrides(DECODE, fused_split_launch=True),
+    "decode share1 split32 relaxed-poll": with_overrides(
+        DECODE, fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32, relaxed_poll=True
+    ),
+    "decode share1 split32 split-launch": with_overrides(
+        DECODE, fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32, fused_split_launch=True
+    ),
     "decode late-count": with_overrides(DECODE, late_count_out=True),
     "decode late-count bn512": with_overrides(
         DECODE, late_count_out=True, fused_block_n=512, fused_tile_elems=8192

@@ -379,12 +379,17 @@ class TritonLoRABackend:
                 BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r,
                 BLOCK_RC=step.block_r // r_chunks, K_CHUNK=p.split.k_chunk, N_SPLIT=p.split.n_split,
                 BLOCK_N=p.block_n, N_SUB=p.n_sub, USE_PDL=use_pdl, LATE_COUNT_OUT=tiling.late_count_out,
+                RELAXED_POLL=tiling.relaxed_poll,
                 num_warps=tiling.fused_warps, num_stages=tiling.fused_stages,
             )  # fmt: skip
             if use_pdl:
                 kw["launch_pdl"] = True
             return pos, kw
 
+        if tiling.fused_split_launch:
+            self._plans[key] = plan
+            self._launch_split(y, x, meta, dev, tabs, tiling, step, r_chunks, slice_mask, plan, h, cols)
+            return True
         kernel = self._k.lora_fused_kernel
         if first and cuda:
             fits, per_sm = False, tiling.fused_per_sm
@@ -405,6 +410,46 @@ class TritonLoRABackend:
         pos, kw = args(plan)
         kernel[(plan.programs,)](*pos, **kw)
         return True
+
+    def _launch_split(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        meta: LoRABatchMetadata,
+        dev: LoRADeviceTable,
+        tabs: GroupTables,
+        tiling: LoRATiling,
+        step: _StepInfo,
+        r_chunks: int,
+        slice_mask: int,
+        plan: FusedPlan,
+        h: torch.Tensor,
+        cols: list[int],
+    ) -> None:
+        """The fused plan as two launches (`fused_split_launch`): no program waits on another, so
+        nothing needs to be resident at once."""
+        n_slices = h.shape[1]  # h: [n_split, n_slices, rows, block_r]
+        row_tiles = _cdiv(step.max_seg_rows, tiling.block_m)
+        pdl = {"launch_pdl": True} if tiling.pdl and x.device.type == "cuda" else {}
+        use_pdl = 1 if pdl else 0
+        common = dict(
+            N_SLICES=n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
+            BLOCK_M=tiling.block_m, BLOCK_R=step.block_r, N_SPLIT=plan.split.n_split, USE_PDL=use_pdl,
+            num_warps=tiling.fused_warps, num_stages=tiling.fused_stages, **pdl,
+        )  # fmt: skip
+        self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
+            x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
+            dev.n_slots, x.shape[1], x.stride(0), meta.num_lora_rows, row_tiles,
+            SLICE_MASK=slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // r_chunks,
+            K_CHUNK=plan.split.k_chunk, **common,
+        )  # fmt: skip
+        ch = plan.chunks
+        self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
+            y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_offs, tabs.ranks,
+            tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows, row_tiles, *cols,
+            ch[0], ch[0] + ch[1], sum(ch),
+            COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n, N_SUB=plan.n_sub, **common,
+        )  # fmt: skip
 
     @staticmethod
     def _programs_per_sm(compiled: object, device: torch.device) -> int:

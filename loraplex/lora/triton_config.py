@@ -58,6 +58,11 @@ class LoRATiling:
     # expand programs count out of their row tile's counter after their stores, not right after
     # the wait (the counter's round trip then delays no store)
     late_count_out: bool = False
+    # expand programs poll their counter unordered and acquire once it is reached
+    relaxed_poll: bool = False
+    # the fused plan's shrink and expand programs as two launches (PDL lets the expand launch load
+    # its B tiles while the shrink runs); the launch boundary replaces the counters and spinning
+    fused_split_launch: bool = False
 
 
 DECODE = LoRATiling("decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1)

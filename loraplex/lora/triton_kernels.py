@@ -238,7 +238,7 @@ def _fused_shrink_part(
     n_slots, d_in, stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
-    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -293,9 +293,10 @@ def _fused_shrink_part(
             _shrink_store(h_ptr, acc1, split * N_SLICES + 1, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
         if N_SLICES > 2 and SLICE_MASK & 4:
             _shrink_store(h_ptr, acc2, split * N_SLICES + 2, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
-    # Publish: every thread's h stores are ordered before the (single-thread) release increment.
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr + tile * CNT_STRIDE, 1, sem="release", scope="gpu")
+    if COUNTERS:
+        # Publish: every thread's h stores are ordered before the (single-thread) release increment.
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr + tile * CNT_STRIDE, 1, sem="release", scope="gpu")
     if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -307,6 +308,7 @@ def _fused_expand_part(
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
     N_SPLIT: tl.constexpr, ARRIVALS: tl.constexpr, USE_PDL: tl.constexpr, LATE_COUNT_OUT: tl.constexpr,
+    COUNTERS: tl.constexpr, RELAXED_POLL: tl.constexpr,
 ):  # fmt: skip
     # e -> (row tile, column chunk); chunks of all adapted slices are numbered consecutively
     # (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2: [ch2, n_chunks)), so none is idle by design.
@@ -343,18 +345,14 @@ def _fused_expand_part(
     y_rows = y_ptr + rows[:, None] * stride_ym + col_lo
     y_mask = m_mask[:, None] & n_mask[None, :]
     yt = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
-    # Wait until every shrink program of this row tile has arrived (they precede every expand
-    # program in launch order and never wait themselves, so they always finish).
     cnt = cnt_ptr + tile * CNT_STRIDE
-    seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
-    spins = 0
-    while (seen < ARRIVALS) & (spins < MAX_SPINS):
-        seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if seen < ARRIVALS:  # never expected: give up rather than hang the GPU, and say so
-        tl.atomic_add(err_ptr, 1, sem="relaxed", scope="gpu")
-    if not LATE_COUNT_OUT:
-        _count_out(cnt, ARRIVALS + n_chunks - 1)
+    if COUNTERS:
+        # Wait until every shrink program of this row tile has arrived (they precede every expand
+        # program in launch order and never wait themselves, so they always finish).
+        _wait_arrivals(cnt, err_ptr, ARRIVALS, RELAXED_POLL)
+        if not LATE_COUNT_OUT:
+            _count_out(cnt, ARRIVALS + n_chunks - 1)
+    # else: a separate launch after the shrink's; stream order (or the PDL wait above) is the wait
     if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()  # only the expand tail is left: the next call may start
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -374,9 +372,31 @@ def _fused_expand_part(
             b_mask = r_mask[:, None] & n_mask[None, :]
             bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=b_mask, other=0.0)
             tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + tl.dot(hs, bt)).to(yt.dtype), mask=y_mask)
-    if LATE_COUNT_OUT:
+    if COUNTERS and LATE_COUNT_OUT:
         # after the stores: the counter's round trip is off the path from the wait to them
         _count_out(cnt, ARRIVALS + n_chunks - 1)
+
+
+@triton.jit
+def _wait_arrivals(cnt, err_ptr, ARRIVALS: tl.constexpr, RELAXED_POLL: tl.constexpr):
+    if RELAXED_POLL:
+        # Poll without ordering (an acquire poll invalidates the SM's L1 on every iteration), then
+        # one acquire: it reads the counter's latest value, which every shrink's release heads a
+        # release sequence to, so the h loads after it see every shrink's stores.
+        seen = tl.atomic_add(cnt, 0, sem="relaxed", scope="gpu")
+        spins = 0
+        while (seen < ARRIVALS) & (spins < MAX_SPINS):
+            seen = tl.atomic_add(cnt, 0, sem="relaxed", scope="gpu")
+            spins += 1
+        seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+    else:
+        seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (seen < ARRIVALS) & (spins < MAX_SPINS):
+            seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+            spins += 1
+    if seen < ARRIVALS:  # never expected: give up rather than hang the GPU, and say so
+        tl.atomic_add(err_ptr, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -430,6 +450,7 @@ def lora_fused_kernel(
     N_SUB: tl.constexpr,  # expand: BLOCK_N-column tiles per program
     USE_PDL: tl.constexpr,  # 0: off; 1: next call may start once all programs are past their wait; 2: at once
     LATE_COUNT_OUT: tl.constexpr,  # expand programs count out after their stores (else: after the wait)
+    RELAXED_POLL: tl.constexpr,  # expand programs poll their counter unordered, then acquire once
 ):
     # grid: (n_shrink + S * row_tiles * n_chunks,). Shrink and expand in one launch: the expand
     # programs of a row tile spin on its arrival counter until its N_SPLIT * R_CHUNKS shrink
@@ -443,15 +464,55 @@ def lora_fused_kernel(
         _fused_shrink_part(
             pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
             rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-            W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, USE_PDL,
+            W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, USE_PDL, True,
         )  # fmt: skip
     else:
         _fused_expand_part(
             pid - n_shrink, y_ptr, w_base, h_ptr, cnt_ptr, err_ptr, row_perm_ptr, seg_offsets_ptr,
             seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1,
             col2, col3, ch1, ch2, n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N,
-            BLOCK_R, N_SUB, N_SPLIT, N_SPLIT * (BLOCK_R // BLOCK_RC), USE_PDL, LATE_COUNT_OUT,
+            BLOCK_R, N_SUB, N_SPLIT, N_SPLIT * (BLOCK_R // BLOCK_RC), USE_PDL, LATE_COUNT_OUT, True,
+            RELAXED_POLL,
         )  # fmt: skip
+
+
+@triton.jit
+def lora_shrink_pdl_kernel(
+    x_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab, n_slots, d_in,
+    stride_xm, num_rows, row_tiles,
+    N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
+    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
+    `lora_expand_pdl_kernel` through the launch boundary instead of counters. With PDL the expand
+    launch may start at once: its programs load their B tiles while these run."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    PART_PDL: tl.constexpr = 2 if USE_PDL else 0  # wait for the kernel before; trigger done above
+    _fused_shrink_part(
+        tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
+        rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
+        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def lora_expand_pdl_kernel(
+    y_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots,
+    stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
+    N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
+    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The fused kernel's expand programs as their own launch (grid: n_expand), after
+    `lora_shrink_pdl_kernel`: the PDL wait (or stream order) replaces the arrival counters."""
+    _fused_expand_part(
+        tl.program_id(0), y_ptr, w_base, h_ptr, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr,
+        b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2,
+        n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N, BLOCK_R, N_SUB, N_SPLIT, 1,
+        USE_PDL, False, False, False,
+    )  # fmt: skip
 
 
 def shrink_grid(num_segments: int, row_tiles: int, n_split: int) -> tuple[int, int]:
@@ -464,7 +525,9 @@ def expand_grid(num_segments: int, row_tiles: int, n_chunks: int, n_slices: int)
 
 __all__ = [
     "lora_expand_kernel",
+    "lora_expand_pdl_kernel",
     "lora_fused_kernel",
+    "lora_shrink_pdl_kernel",
     "lora_shrink_kernel",
     "shrink_grid",
     "expand_grid",

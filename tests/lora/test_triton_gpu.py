@@ -196,16 +196,25 @@ def test_cuda_graph_replay_follows_new_inputs(pdl: bool) -> None:
         assert row_errors(y, reference(y0, x, meta, table, 0, "qkv", offs)).max().item() <= TOL
 
 
-@pytest.mark.parametrize("pdl,late", [(True, False), (False, False), (True, True)])
-def test_cuda_graph_whole_layer_back_to_back(pdl: bool, late: bool) -> None:
+WHOLE_LAYER_VARIANTS = {
+    "pdl": dict(pdl=True),
+    "no pdl": dict(pdl=False),
+    "pdl, late count-out": dict(pdl=True, late_count_out=True),
+    "pdl, relaxed poll": dict(pdl=True, relaxed_poll=True),
+    "pdl, split launch": dict(pdl=True, fused_split_launch=True),
+    "split launch": dict(pdl=False, fused_split_launch=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(WHOLE_LAYER_VARIANTS))
+def test_cuda_graph_whole_layer_back_to_back(variant: str) -> None:
     # the four groups' fused kernels back to back in one graph (with PDL each may start while the
-    # one before finishes; late: expand programs count out after their stores), replayed with new
-    # x and y; counters must be zero after every replay
+    # one before finishes), replayed with new x and y; counters must be zero after every replay
     from loraplex.lora.ops_triton import TritonLoRABackend
     from loraplex.lora.triton_config import DECODE, with_overrides
 
     table = make_table(random_ranks(12, (8, 16, 32, 64), seed=20), DTYPE, DEV, shapes=MID_SHAPES, seed=21)
-    be = TritonLoRABackend(with_overrides(DECODE, pdl=pdl, fused_max_rank=64, late_count_out=late))
+    be = TritonLoRABackend(with_overrides(DECODE, fused_max_rank=64, **WHOLE_LAYER_VARIANTS[variant]))
     slots = adapter_choices(24, 12, "zipf:1.1", seed=22)
     slots[3] = -1
     meta = LoRABatchMetadata.build(slots, table, DEV)

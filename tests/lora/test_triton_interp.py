@@ -227,16 +227,26 @@ def test_fused_partial_targets_and_repeated_calls() -> None:
     assert plan.chunks[1] == 0
 
 
-@pytest.mark.parametrize("popularity", ["distinct", "zipf"])
-def test_fused_late_count_out(popularity: str) -> None:
-    # expand programs count out after their stores: results and the counters' reset are unchanged
+HANDOFFS = {
+    "late count-out": dict(late_count_out=True),
+    "relaxed poll": dict(relaxed_poll=True),
+    "split launch": dict(fused_split_launch=True),
+}
+
+
+@pytest.mark.parametrize("handoff", list(HANDOFFS))
+def test_fused_handoff_variants(handoff: str) -> None:
+    # expand programs count out after their stores / poll unordered then acquire once / run as
+    # their own launch after the shrink's: results and the counters' reset are unchanged
     ranks = random_ranks(6, (8, 16, 32, 64), seed=31)
     table = make_table(ranks, DTYPE, "cpu", seed=32)
-    slots = adapter_choices(14, len(ranks), popularity, seed=33) + [-1]
-    be = _backend(with_overrides(FUSED_DECODE, late_count_out=True, fused_expand_sub=1), sms=8)
+    slots = adapter_choices(14, len(ranks), "zipf", seed=33) + [-1] + [2] * 17
+    be = _backend(with_overrides(FUSED_DECODE, fused_expand_sub=1, **HANDOFFS[handoff]), sms=8)
     for seed in range(2):
         _check_all_groups(be, slots, table, seed=seed)
     assert len(_fused_plans(be)) == 4
+    partial = make_table([16, 8], DTYPE, "cpu", seed=34, targets=[("q", "up"), ("v",)])
+    _check_all_groups(be, [0, 1, 0, 1, -1], partial, groups=("qkv", "gate_up"))
 
 
 def test_fused_falls_back_to_two_launches_when_the_grid_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
