@@ -54,36 +54,14 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode all-resident": with_overrides(DECODE, fused_expand_sub=0),
     "decode stream2": with_overrides(DECODE, fused_expand_sub=2),
     "decode stream4": with_overrides(DECODE, fused_expand_sub=4),
-    # expand programs with wider B tiles (more bytes per metadata chain), more or fewer warps
-    "decode bn512": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=8192),
-    "decode bn512 w8": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=8192, fused_warps=8),
-    "decode bn1024 w8": with_overrides(DECODE, fused_block_n=1024, fused_tile_elems=16384, fused_warps=8),
-    "decode w2": with_overrides(DECODE, fused_warps=2),
-    "decode bn128 w2": with_overrides(DECODE, fused_block_n=128, fused_warps=2),
-    "decode stages2": with_overrides(DECODE, fused_stages=2),
-    "decode w2 bn512": with_overrides(DECODE, fused_warps=2, fused_block_n=512, fused_tile_elems=8192),
-    "decode w2 late-count": with_overrides(DECODE, fused_warps=2, late_count_out=True),
-    "decode split8": with_overrides(DECODE, fused_max_split=8),
-    "decode w2 split8": with_overrides(DECODE, fused_warps=2, fused_max_split=8),
-    # more K splits for the shrink (its programs' K loops bound the time expand programs wait)
-    "decode share.5": with_overrides(DECODE, fused_min_share=0.5),
-    "decode share1": with_overrides(DECODE, fused_min_share=1.0, fused_max_share=1.0),
-    "decode share1 split32": with_overrides(
-        DECODE, fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32
-    ),
-    "decode share.5 split32": with_overrides(DECODE, fused_min_share=0.5, fused_max_split=32),
-    "decode relaxed-poll": with_overrides(DECODE, relaxed_poll=True),
+    # the shrink's K split as before (grid share by bytes, at most 16 chunks): gate_up's shrink then
+    # had 5 chunks of 7 K steps, and its expand programs spent a quarter of their time waiting
+    "decode byte-share": with_overrides(DECODE, fused_min_share=0.2, fused_max_share=0.8, fused_max_split=16),
+    # shrink and expand as two PDL launches (no counters, no residency needed): as fast as one
     "decode split-launch": with_overrides(DECODE, fused_split_launch=True),
-    "decode share1 split32 relaxed-poll": with_overrides(
-        DECODE, fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32, relaxed_poll=True
-    ),
-    "decode share1 split32 split-launch": with_overrides(
-        DECODE, fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32, fused_split_launch=True
-    ),
-    "decode late-count": with_overrides(DECODE, late_count_out=True),
-    "decode late-count bn512": with_overrides(
-        DECODE, late_count_out=True, fused_block_n=512, fused_tile_elems=8192
-    ),
+    # expand programs with wider B tiles, or 2 warps each (more programs resident)
+    "decode bn512": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=8192),
+    "decode w2": with_overrides(DECODE, fused_warps=2),
     "prefill": PREFILL,
 }
 TILING_CASES = (
@@ -265,9 +243,12 @@ def run(
         report["targets"] = evaluate_targets(report["results"], copy_bw, mm_rate)
         write_report(report, out_dir, plot_png=False)  # partial results survive a cut-short run
     if gemm_lora:
-        tilings = {n: t for n, t in TILING_VARIANTS.items() if n.startswith("decode")}
-        if variants is not None:
-            tilings = {n: t for n, t in tilings.items() if n in variants or n == "decode"}
+        # the default decode tiling, plus the decode variants asked for
+        tilings = {
+            n: t
+            for n, t in TILING_VARIANTS.items()
+            if n == "decode" or (n.startswith("decode") and variants is not None and n in variants)
+        }
         try:
             report["gemm_lora"] = layer_modes(
                 bench.timer, TARGET_DECODE, bench.table(TARGET_DECODE.ranks), bench.base_weights, tilings

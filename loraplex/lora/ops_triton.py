@@ -378,8 +378,7 @@ class TritonLoRABackend:
                 W_ALIGN=16 // dev.base.element_size(), COLS_ALIGNED=all(c % 8 == 0 for c in cols),
                 BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r,
                 BLOCK_RC=step.block_r // r_chunks, K_CHUNK=p.split.k_chunk, N_SPLIT=p.split.n_split,
-                BLOCK_N=p.block_n, N_SUB=p.n_sub, USE_PDL=use_pdl, LATE_COUNT_OUT=tiling.late_count_out,
-                RELAXED_POLL=tiling.relaxed_poll,
+                BLOCK_N=p.block_n, N_SUB=p.n_sub, USE_PDL=use_pdl,
                 num_warps=tiling.fused_warps, num_stages=tiling.fused_stages,
             )  # fmt: skip
             if use_pdl:

@@ -55,17 +55,17 @@ class LoRATiling:
     # the next call may start once all of this one's programs have started (else: once all are
     # past their waits, i.e. only the expand tail is left)
     pdl_early: bool = False
-    # expand programs count out of their row tile's counter after their stores, not right after
-    # the wait (the counter's round trip then delays no store)
-    late_count_out: bool = False
-    # expand programs poll their counter unordered and acquire once it is reached
-    relaxed_poll: bool = False
     # the fused plan's shrink and expand programs as two launches (PDL lets the expand launch load
     # its B tiles while the shrink runs); the launch boundary replaces the counters and spinning
     fused_split_launch: bool = False
 
 
-DECODE = LoRATiling("decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1)
+# The decode shrink takes the whole grid budget (its expand programs are streamed, so they need no
+# share of it) and up to 32 K chunks: its K loops are what the expand programs wait for.
+DECODE = LoRATiling(
+    "decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1,
+    fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32,
+)  # fmt: skip
 PREFILL = LoRATiling("prefill", 64, 64, 16, 128, 256, 4, 3, 4, 3, 4)
 TILINGS = {t.name: t for t in (DECODE, PREFILL)}
 

@@ -307,8 +307,7 @@ def _fused_expand_part(
     rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
-    N_SPLIT: tl.constexpr, ARRIVALS: tl.constexpr, USE_PDL: tl.constexpr, LATE_COUNT_OUT: tl.constexpr,
-    COUNTERS: tl.constexpr, RELAXED_POLL: tl.constexpr,
+    N_SPLIT: tl.constexpr, ARRIVALS: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
 ):  # fmt: skip
     # e -> (row tile, column chunk); chunks of all adapted slices are numbered consecutively
     # (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2: [ch2, n_chunks)), so none is idle by design.
@@ -349,9 +348,16 @@ def _fused_expand_part(
     if COUNTERS:
         # Wait until every shrink program of this row tile has arrived (they precede every expand
         # program in launch order and never wait themselves, so they always finish).
-        _wait_arrivals(cnt, err_ptr, ARRIVALS, RELAXED_POLL)
-        if not LATE_COUNT_OUT:
-            _count_out(cnt, ARRIVALS + n_chunks - 1)
+        seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (seen < ARRIVALS) & (spins < MAX_SPINS):
+            seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if seen < ARRIVALS:  # never expected: give up rather than hang the GPU, and say so
+            tl.atomic_add(err_ptr, 1, sem="relaxed", scope="gpu")
+        # Count this program out; the last of the row tile resets the counter for the next launch.
+        if tl.atomic_add(cnt, 1, sem="relaxed", scope="gpu") == ARRIVALS + n_chunks - 1:
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
     # else: a separate launch after the shrink's; stream order (or the PDL wait above) is the wait
     if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()  # only the expand tail is left: the next call may start
@@ -372,38 +378,6 @@ def _fused_expand_part(
             b_mask = r_mask[:, None] & n_mask[None, :]
             bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=b_mask, other=0.0)
             tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + tl.dot(hs, bt)).to(yt.dtype), mask=y_mask)
-    if COUNTERS and LATE_COUNT_OUT:
-        # after the stores: the counter's round trip is off the path from the wait to them
-        _count_out(cnt, ARRIVALS + n_chunks - 1)
-
-
-@triton.jit
-def _wait_arrivals(cnt, err_ptr, ARRIVALS: tl.constexpr, RELAXED_POLL: tl.constexpr):
-    if RELAXED_POLL:
-        # Poll without ordering (an acquire poll invalidates the SM's L1 on every iteration), then
-        # one acquire: it reads the counter's latest value, which every shrink's release heads a
-        # release sequence to, so the h loads after it see every shrink's stores.
-        seen = tl.atomic_add(cnt, 0, sem="relaxed", scope="gpu")
-        spins = 0
-        while (seen < ARRIVALS) & (spins < MAX_SPINS):
-            seen = tl.atomic_add(cnt, 0, sem="relaxed", scope="gpu")
-            spins += 1
-        seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
-    else:
-        seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
-        spins = 0
-        while (seen < ARRIVALS) & (spins < MAX_SPINS):
-            seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
-            spins += 1
-    if seen < ARRIVALS:  # never expected: give up rather than hang the GPU, and say so
-        tl.atomic_add(err_ptr, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _count_out(cnt, last):
-    # Count this program out; the last of the row tile resets the counter for the next launch.
-    if tl.atomic_add(cnt, 1, sem="relaxed", scope="gpu") == last:
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -449,8 +423,6 @@ def lora_fused_kernel(
     BLOCK_N: tl.constexpr,
     N_SUB: tl.constexpr,  # expand: BLOCK_N-column tiles per program
     USE_PDL: tl.constexpr,  # 0: off; 1: next call may start once all programs are past their wait; 2: at once
-    LATE_COUNT_OUT: tl.constexpr,  # expand programs count out after their stores (else: after the wait)
-    RELAXED_POLL: tl.constexpr,  # expand programs poll their counter unordered, then acquire once
 ):
     # grid: (n_shrink + S * row_tiles * n_chunks,). Shrink and expand in one launch: the expand
     # programs of a row tile spin on its arrival counter until its N_SPLIT * R_CHUNKS shrink
@@ -471,8 +443,7 @@ def lora_fused_kernel(
             pid - n_shrink, y_ptr, w_base, h_ptr, cnt_ptr, err_ptr, row_perm_ptr, seg_offsets_ptr,
             seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1,
             col2, col3, ch1, ch2, n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N,
-            BLOCK_R, N_SUB, N_SPLIT, N_SPLIT * (BLOCK_R // BLOCK_RC), USE_PDL, LATE_COUNT_OUT, True,
-            RELAXED_POLL,
+            BLOCK_R, N_SUB, N_SPLIT, N_SPLIT * (BLOCK_R // BLOCK_RC), USE_PDL, True,
         )  # fmt: skip
 
 
@@ -511,7 +482,7 @@ def lora_expand_pdl_kernel(
         tl.program_id(0), y_ptr, w_base, h_ptr, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr,
         b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2,
         n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N, BLOCK_R, N_SUB, N_SPLIT, 1,
-        USE_PDL, False, False, False,
+        USE_PDL, False,
     )  # fmt: skip
 
 

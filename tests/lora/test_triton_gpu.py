@@ -199,8 +199,6 @@ def test_cuda_graph_replay_follows_new_inputs(pdl: bool) -> None:
 WHOLE_LAYER_VARIANTS = {
     "pdl": dict(pdl=True),
     "no pdl": dict(pdl=False),
-    "pdl, late count-out": dict(pdl=True, late_count_out=True),
-    "pdl, relaxed poll": dict(pdl=True, relaxed_poll=True),
     "pdl, split launch": dict(pdl=True, fused_split_launch=True),
     "split launch": dict(pdl=False, fused_split_launch=True),
 }

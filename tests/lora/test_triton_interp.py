@@ -228,16 +228,15 @@ def test_fused_partial_targets_and_repeated_calls() -> None:
 
 
 HANDOFFS = {
-    "late count-out": dict(late_count_out=True),
-    "relaxed poll": dict(relaxed_poll=True),
+    "counters, byte share": dict(fused_min_share=0.2, fused_max_share=0.8, fused_max_split=16),
     "split launch": dict(fused_split_launch=True),
 }
 
 
 @pytest.mark.parametrize("handoff", list(HANDOFFS))
 def test_fused_handoff_variants(handoff: str) -> None:
-    # expand programs count out after their stores / poll unordered then acquire once / run as
-    # their own launch after the shrink's: results and the counters' reset are unchanged
+    # streamed expand programs after counters (the shrink's grid share by bytes), or as their own
+    # launch after the shrink's: results right, counters left zeroed
     ranks = random_ranks(6, (8, 16, 32, 64), seed=31)
     table = make_table(ranks, DTYPE, "cpu", seed=32)
     slots = adapter_choices(14, len(ranks), "zipf", seed=33) + [-1] + [2] * 17
