@@ -62,6 +62,7 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # expand programs with wider B tiles, or 2 warps each (more programs resident)
     "decode bn512": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=8192),
     "decode w2": with_overrides(DECODE, fused_warps=2),
+    "decode w2 split-launch": with_overrides(DECODE, fused_warps=2, fused_split_launch=True),
     "prefill": PREFILL,
 }
 TILING_CASES = (
