@@ -63,6 +63,11 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode bn512": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=8192),
     "decode w2": with_overrides(DECODE, fused_warps=2),
     "decode w2 split-launch": with_overrides(DECODE, fused_warps=2, fused_split_launch=True),
+    # split launch, each launch with its own warps (shrink / expand)
+    "decode split-launch w4/2": with_overrides(DECODE, fused_split_launch=True, split_expand_warps=2),
+    "decode split-launch w2/1 bn128": with_overrides(
+        DECODE, fused_warps=2, fused_split_launch=True, split_expand_warps=1, fused_block_n=128
+    ),
     "prefill": PREFILL,
 }
 TILING_CASES = (

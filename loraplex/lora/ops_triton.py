@@ -434,20 +434,22 @@ class TritonLoRABackend:
         common = dict(
             N_SLICES=n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
             BLOCK_M=tiling.block_m, BLOCK_R=step.block_r, N_SPLIT=plan.split.n_split, USE_PDL=use_pdl,
-            num_warps=tiling.fused_warps, num_stages=tiling.fused_stages, **pdl,
+            num_stages=tiling.fused_stages, **pdl,
         )  # fmt: skip
+        expand_warps = tiling.split_expand_warps or tiling.fused_warps
         self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             dev.n_slots, x.shape[1], x.stride(0), meta.num_lora_rows, row_tiles,
             SLICE_MASK=slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // r_chunks,
-            K_CHUNK=plan.split.k_chunk, **common,
+            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
         )  # fmt: skip
         ch = plan.chunks
         self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_offs, tabs.ranks,
             tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows, row_tiles, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
-            COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n, N_SUB=plan.n_sub, **common,
+            COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n, N_SUB=plan.n_sub,
+            num_warps=expand_warps, **common,
         )  # fmt: skip
 
     @staticmethod

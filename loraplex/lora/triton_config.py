@@ -58,6 +58,9 @@ class LoRATiling:
     # the fused plan's shrink and expand programs as two launches (PDL lets the expand launch load
     # its B tiles while the shrink runs); the launch boundary replaces the counters and spinning
     fused_split_launch: bool = False
+    # split launch only: warps of the expand launch (0: fused_warps), which needs far fewer
+    # registers than the shrink
+    split_expand_warps: int = 0
 
 
 # The decode shrink takes the whole grid budget (its expand programs are streamed, so they need no

@@ -201,6 +201,8 @@ WHOLE_LAYER_VARIANTS = {
     "no pdl": dict(pdl=False),
     "pdl, split launch": dict(pdl=True, fused_split_launch=True),
     "split launch": dict(pdl=False, fused_split_launch=True),
+    "pdl, split launch, 2 warps": dict(pdl=True, fused_split_launch=True, fused_warps=2),
+    "pdl, split launch, 4/2 warps": dict(pdl=True, fused_split_launch=True, split_expand_warps=2),
 }
 
 
