@@ -224,16 +224,21 @@ class GraphConfig:
     # Decode steps of up to this many sequences replay CUDA graphs (captured per batch-size bucket
     # on first use); 0 runs every step eagerly. Only on CUDA.
     cuda_graph_max_batch: int = 256
-    # 1: in captured decode steps, each LoRA op's shrink launch runs on a side stream concurrently
-    # with its base GEMM and its expand launch follows the GEMM; 0: the whole LoRA op (one fused
-    # launch for decode steps) after the GEMM. Off until measured (docs/cuda-graphs.md).
+    # How captured decode steps schedule each LoRA op against its base GEMM (docs/cuda-graphs.md):
+    # 0: the whole op (one fused launch) after the GEMM, adding into its output;
+    # 1: the op's shrink launch on a side stream beside the GEMM, its expand launch after it;
+    # 2: the whole op on a side stream beside the GEMM, its output added later by the consumer:
+    #    o and down add into the residual stream, gate_up into a delta the SiLU kernel adds (qkv
+    #    stays as in 0). 1 measured no faster than 0 on an H200; 2 is not measured yet.
     lora_overlap: int = 0
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch must be >= 0 (0 turns CUDA graphs off)")
-        if self.lora_overlap not in (0, 1):
-            raise ValueError("lora_overlap must be 0 or 1")
+        if self.lora_overlap not in (0, 1, 2):
+            raise ValueError(
+                "lora_overlap must be 0 (in place), 1 (shrink beside the GEMM) or 2 (whole op beside it)"
+            )
 
 
 @dataclass(frozen=True)

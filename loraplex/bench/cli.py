@@ -44,7 +44,7 @@ def _engine(args: argparse.Namespace) -> int:
         profile=args.profile or None,
         graphs=False if args.no_graphs else None,
         lora_tiling=args.lora_tiling,
-        lora_overlap=True if args.lora_overlap else None,
+        lora_overlap=args.lora_overlap,
         repeats=args.repeats,
         also=tuple(v for v in (args.also or "").split(";") if v.strip()) or None,
     )
@@ -82,12 +82,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lora-tiling", help="LoRA kernel tiling variant (see `bench kernels`; default: per step)"
     )
     e.add_argument(
-        "--lora-overlap", action="store_true", help="LoRA ops concurrent with their base GEMMs (side stream)"
+        "--lora-overlap",
+        type=int,
+        choices=(0, 1, 2),
+        help="LoRA ops against their base GEMMs: 0 after (default), 1 shrink beside, 2 whole op beside",
     )
     e.add_argument(
         "--also",
-        help="more LoRA configurations timed in every repeat, ';'-separated: 'overlap', a tiling "
-        "variant, or both joined by '+' (e.g. 'overlap;decode bn512;overlap+decode bn512')",
+        help="more LoRA configurations timed in every repeat, ';'-separated: 'overlap' or "
+        "'concurrent', a tiling variant, or one of each joined by '+' "
+        "(e.g. 'concurrent;decode w2 split-launch;concurrent+decode w2 split-launch')",
     )
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)

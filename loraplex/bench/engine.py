@@ -67,12 +67,13 @@ class EngineBenchArgs:
     seed: int = 0
     profile: bool = False  # also profile a few decode steps per mode (torch.profiler tables)
     graphs: bool = True  # decode steps as CUDA-graph replays (the engine's default on CUDA)
-    lora_overlap: bool = False  # LoRA ops concurrent with the base GEMMs in captured steps
+    lora_overlap: int = 0  # GraphConfig.lora_overlap: 1 shrink beside the GEMM, 2 whole op beside it
     lora_tiling: str | None = None  # a `bench kernels` tiling variant for the LoRA kernels (None: default)
     repeats: int = 3  # base-only / LoRA pairs, alternating; medians reported
     # More LoRA configurations timed in every repeat of the same run (same model, adapters and
-    # GPU state): "overlap" (LoRA shrink beside the base GEMM), a tiling variant's name, or both
-    # joined by "+" ("overlap+decode bn512")
+    # GPU state): "overlap" (LoRA shrink beside the base GEMM, lora_overlap 1), "concurrent" (the
+    # whole op beside it, lora_overlap 2), a tiling variant's name, or one of the first two and a
+    # variant joined by "+" ("concurrent+decode w2 split-launch")
     also: tuple[str, ...] = ()
 
     @classmethod
@@ -333,7 +334,7 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         lora=LoRAConfig(max_rank=max(64, args.rank)),
         scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch)),
         graphs=GraphConfig(
-            cuda_graph_max_batch=args.batch if args.graphs else 0, lora_overlap=int(args.lora_overlap)
+            cuda_graph_max_batch=args.batch if args.graphs else 0, lora_overlap=args.lora_overlap
         ),
     )
     engine = Engine(config, model=model)
@@ -439,12 +440,13 @@ class _LoRAVariant:
         from loraplex.bench.kernels import TILING_VARIANTS
 
         parts = [p.strip() for p in spec.split("+")]
-        overlap = "overlap" in parts
-        names = [p for p in parts if p != "overlap"]
-        if len(names) > 1 or (names and names[0] not in TILING_VARIANTS):
+        modes = {"overlap": 1, "concurrent": 2}
+        overlap = max((modes[p] for p in parts if p in modes), default=0)
+        names = [p for p in parts if p not in modes]
+        if len(names) > 1 or (names and names[0] not in TILING_VARIANTS) or len(parts) - len(names) > 1:
             raise SystemExit(
-                f"--also {spec!r}: expected 'overlap', a tiling variant or both joined by '+'; "
-                f"tiling variants: {', '.join(TILING_VARIANTS)}"
+                f"--also {spec!r}: expected 'overlap' or 'concurrent', a tiling variant, or one of "
+                f"each joined by '+'; tiling variants: {', '.join(TILING_VARIANTS)}"
             )
         runner = engine.runner.static_decode
         if overlap or runner is not None:
@@ -520,7 +522,9 @@ def _mode_words(a: dict[str, Any]) -> str:
     if not a.get("graphs", True):
         return "eager, no CUDA graphs"
     return "CUDA-graph replays" + (
-        ", LoRA ops concurrent with the base GEMMs" if a.get("lora_overlap") else ""
+        {0: "", 1: ", LoRA shrinks beside the base GEMMs", 2: ", LoRA ops beside the base GEMMs"}.get(
+            int(a.get("lora_overlap") or 0), ""
+        )
     )
 
 

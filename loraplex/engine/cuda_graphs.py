@@ -128,7 +128,7 @@ class StaticDecodeRunner:
         max_batch: int,
         max_model_len: int,
         capture: bool,
-        lora_overlap: bool = False,
+        lora_overlap: int = 0,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -140,8 +140,8 @@ class StaticDecodeRunner:
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.capture = capture
-        # LoRA ops on a side stream, concurrent with the base GEMMs (see layers/linear.LoRAStep);
-        # without capture (CPU tests) the same arithmetic on one stream
+        # LoRA ops on a side stream beside the base GEMMs (GraphConfig.lora_overlap, see
+        # layers/linear.LoRAStep); without capture (CPU tests) the same arithmetic on one stream
         self.lora_overlap = lora_overlap
         self._side_stream = torch.cuda.Stream(device) if capture and lora_overlap else None
         self.width = -(-max_model_len // kv.block_size)
@@ -159,7 +159,7 @@ class StaticDecodeRunner:
 
     @classmethod
     def for_engine(
-        cls, engine: Engine, max_batch: int, capture: bool, lora_overlap: bool = False
+        cls, engine: Engine, max_batch: int, capture: bool, lora_overlap: int = 0
     ) -> StaticDecodeRunner:
         """A runner over an engine's model, KV cache, LoRA table and backend."""
         return cls(
@@ -281,7 +281,14 @@ class StaticDecodeRunner:
         meta = captured.lora_meta
         lora = None
         if meta is not None:
-            lora = LoRAStep(meta, self.lora_table, self.lora_backend, self.lora_overlap, self._side_stream)
+            lora = LoRAStep(
+                meta,
+                self.lora_table,
+                self.lora_backend,
+                overlap=self.lora_overlap == 1,
+                side_stream=self._side_stream,
+                concurrent=self.lora_overlap == 2,
+            )
         hidden = self.model(inputs.ids, captured.attn, self.kv.k, self.kv.v, lora)
         return self.model.logits(hidden).float()
 

@@ -259,7 +259,7 @@ class Engine:
         if self.device.type != "cuda" or max_batch == 0:
             return None
         return StaticDecodeRunner.for_engine(
-            self, max_batch, capture=True, lora_overlap=bool(config.graphs.lora_overlap)
+            self, max_batch, capture=True, lora_overlap=config.graphs.lora_overlap
         )
 
     @property

@@ -123,14 +123,22 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
-    # grid (rows, column blocks): out[t, c] = silu(x[t, c]) * x[t, N + c]
+def _silu_mul_kernel(
+    x_ptr, d_ptr, out_ptr, stride_x, stride_d, stride_o, N, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr
+):
+    # grid (rows, column blocks): out[t, c] = silu(x[t, c]) * x[t, N + c], with x += d first
+    # (rounded to the activation dtype, as the in-place LoRA add into x would leave it)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     dt = x_ptr.dtype.element_ty
     g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + t * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        dg = tl.load(d_ptr + t * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
+        du = tl.load(d_ptr + t * stride_d + N + cols, mask=mask, other=0.0).to(tl.float32)
+        g = (g + dg).to(dt).to(tl.float32)
+        u = (u + du).to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu's output, in the activation dtype
     tl.store(out_ptr + t * stride_o + cols, (act * u).to(dt), mask=mask)
 
@@ -213,16 +221,21 @@ def rotary_qk_(
     )  # fmt: skip
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] (gate columns first, unit column stride) -> silu(gate) * up, [T, I]."""
+def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2I] (gate columns first, unit column stride) -> silu(gate) * up, [T, I];
+    with delta (same shape), of gate_up + delta (a concurrent LoRA step's gate_up output)."""
     t, two_i = gate_up.shape
     assert two_i % 2 == 0 and gate_up.stride(1) == 1
+    if delta is not None:
+        assert delta.shape == gate_up.shape and delta.stride(1) == 1 and delta.dtype == gate_up.dtype
     n = two_i // 2
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
     block = min(1024, triton.next_power_of_2(n))
+    d = gate_up if delta is None else delta
     _silu_mul_kernel[(t, triton.cdiv(n, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
-    )
+        gate_up, d, out, gate_up.stride(0), d.stride(0), out.stride(0), n, BLOCK=block,
+        HAS_DELTA=delta is not None, num_warps=4,
+    )  # fmt: skip
     return out

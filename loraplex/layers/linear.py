@@ -36,6 +36,10 @@ class LoRAStep:
     # set and no side stream, the same two halves run on one stream (CPU tests).
     overlap: bool = False
     side_stream: torch.cuda.Stream | None = None
+    # Concurrent: where the caller gives a `lora_into` tensor, the whole LoRA op runs on
+    # `side_stream` beside the GEMM and adds into that tensor, which the caller adds to y later
+    # (GraphConfig.lora_overlap = 2). Without a side stream: the same on one stream.
+    concurrent: bool = False
 
 
 class _LoRALinear(nn.Module):
@@ -62,10 +66,19 @@ class _LoRALinear(nn.Module):
             nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
 
-    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
-        # x: [T, d_in] -> y: [T, d_out]
+    def forward(
+        self,
+        x: torch.Tensor,
+        lora: LoRAStep | None,
+        lora_into: torch.Tensor | None = None,
+        zero_into: bool = False,
+    ) -> torch.Tensor:
+        """x: [T, d_in] -> y: [T, d_out]. lora_into ([T, d_out]): in a concurrent step, where the
+        LoRA output goes instead of y (zeroed first if zero_into); the caller adds it to y."""
         if lora is None or not lora.meta.targets_group(self.layer, self.group):
             return F.linear(x, self.weight, self.bias)
+        if lora.concurrent and lora_into is not None:
+            return self._forward_concurrent(x, lora, lora_into, zero_into)
         if lora.overlap:
             return self._forward_overlapped(x, lora)
         y = F.linear(x, self.weight, self.bias)
@@ -90,6 +103,27 @@ class _LoRALinear(nn.Module):
             main.wait_stream(side)
         if partial is not None:
             lora.backend.expand(y, partial)
+        return y
+
+    def _forward_concurrent(
+        self, x: torch.Tensor, lora: LoRAStep, into: torch.Tensor, zero_into: bool
+    ) -> torch.Tensor:
+        """The base GEMM, and beside it the whole LoRA op adding into `into` (see LoRAStep)."""
+        args = (lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
+        side = lora.side_stream
+        if side is None:
+            if zero_into:
+                into.zero_()
+            lora.backend.apply(into, x, *args)
+            return F.linear(x, self.weight, self.bias)
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)  # x and `into` are ready
+        with torch.cuda.stream(side):
+            if zero_into:
+                into.zero_()
+            lora.backend.apply(into, x, *args)
+        y = F.linear(x, self.weight, self.bias)
+        main.wait_stream(side)  # whatever reads `into` next runs after the LoRA op
         return y
 
     def load_slice(self, index: int, tensor: torch.Tensor, bias: bool = False) -> None:

@@ -57,8 +57,10 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
         lora: LoRAStep | None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # x: [T, hidden]
+        # x: [T, hidden]; residual: the stream o's output is added to next (a concurrent LoRA
+        # step adds o's LoRA output into it directly)
         t = x.shape[0]
         qkv = self.qkv_proj(x, lora)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
@@ -68,7 +70,7 @@ class Attention(nn.Module):
         q, k = rotary(attn.positions, q, k, attn.max_context_len, self.q_norm, self.k_norm)
         # v stays a strided view of qkv: both attention paths read it in place (no copy kernel)
         o = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(t, q_size), lora)
+        return self.o_proj(o.reshape(t, q_size), lora, lora_into=residual)
 
 
 class MLP(nn.Module):
@@ -95,13 +97,22 @@ class MLP(nn.Module):
         )
         self.intermediate = i
 
-    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, lora)
+    def forward(
+        self, x: torch.Tensor, lora: LoRAStep | None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # residual: the stream down's output is added to next (see Attention.forward). In a
+        # concurrent LoRA step gate_up's LoRA output goes to a delta that the activation adds.
+        delta = None
+        if lora is not None and lora.concurrent and residual is not None:
+            delta = torch.empty(x.shape[0], 2 * self.intermediate, dtype=x.dtype, device=x.device)
+        gate_up = self.gate_up_proj(x, lora, lora_into=delta, zero_into=True)
         if use_fused(gate_up):
-            h = fused_ops().silu_mul(gate_up)
+            h = fused_ops().silu_mul(gate_up, delta)
         else:
+            if delta is not None:
+                gate_up = gate_up + delta
             h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return self.down_proj(h, lora)
+        return self.down_proj(h, lora, lora_into=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -130,9 +141,9 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_add(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, k_cache, v_cache, attn, lora)
+        hidden = self.self_attn(hidden, rotary, k_cache, v_cache, attn, lora, residual)
         hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
-        return self.mlp(hidden, lora), residual
+        return self.mlp(hidden, lora, residual), residual
 
 
 class LlamaFamilyModel(nn.Module):

@@ -77,7 +77,7 @@ def test_engine_bench_alternates_repeated_pairs() -> None:
 
 
 def test_engine_bench_times_extra_lora_configurations_in_every_repeat() -> None:
-    also = ("overlap", "decode bn512", "overlap+decode bn512")
+    also = ("overlap", "concurrent", "decode bn512", "concurrent+decode bn512")
     args = EngineBenchArgs.preset(
         True, layers=1, batch=2, context=8, adapters=2, steps=2, repeats=2, also=also
     )

@@ -37,9 +37,7 @@ def _engine(tmp_path: Path, device: str, overlap: int = 0):  # noqa: ANN202
         )
     e = llm.engine
     if device == "cpu":
-        e.runner.static_decode = StaticDecodeRunner.for_engine(
-            e, 16, capture=False, lora_overlap=bool(overlap)
-        )
+        e.runner.static_decode = StaticDecodeRunner.for_engine(e, 16, capture=False, lora_overlap=overlap)
     return e
 
 
@@ -62,7 +60,7 @@ def _scaled(weights: AdapterWeights, factor: float) -> AdapterWeights:
     return AdapterWeights({k: LoRAPair(p.a, p.b * factor, p.scale) for k, p in weights.pairs.items()})
 
 
-@pytest.mark.parametrize("overlap", [0, 1], ids=["lora-in-place", "lora-overlapped"])
+@pytest.mark.parametrize("overlap", [0, 1, 2], ids=["lora-in-place", "lora-overlapped", "lora-concurrent"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_replay_reads_live_mapping_and_weights(tmp_path: Path, device: str, overlap: int) -> None:
     e = _engine(tmp_path, device, overlap)

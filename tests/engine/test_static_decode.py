@@ -20,7 +20,7 @@ ADAPTERS = {
 }
 
 
-def _llms(tmp_path: Path, max_batch: int, overlap: bool = False) -> tuple[LLM, LLM]:
+def _llms(tmp_path: Path, max_batch: int, overlap: int = 0) -> tuple[LLM, LLM]:
     hf = build_hf_model("llama", seed=3)
     model_dir = save_hf_model(hf, tmp_path / "base")
     paths = {
@@ -44,18 +44,24 @@ def test_batch_buckets() -> None:
     assert batch_bucket(40, 40) == 40  # the configured maximum caps a bucket
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["in-place", "lora-delta-added-after"])
-def test_static_decode_matches_eager(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("overlap", [0, 1, 2], ids=["in-place", "shrink-beside-gemm", "lora-into-consumer"])
+def test_static_decode_matches_eager(tmp_path: Path, overlap: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from loraplex.layers import linear
 
-    overlapped = []
+    overlapped, concurrent = [], []
     original = linear._LoRALinear._forward_overlapped
+    original_concurrent = linear._LoRALinear._forward_concurrent
 
     def spy(self, x, lora):  # noqa: ANN001, ANN202
         overlapped.append(self.group)
         return original(self, x, lora)
 
+    def spy_concurrent(self, x, lora, into, zero_into):  # noqa: ANN001, ANN202
+        concurrent.append((self.group, zero_into))
+        return original_concurrent(self, x, lora, into, zero_into)
+
     monkeypatch.setattr(linear._LoRALinear, "_forward_overlapped", spy)
+    monkeypatch.setattr(linear._LoRALinear, "_forward_concurrent", spy_concurrent)
     eager, static = _llms(tmp_path, max_batch=24, overlap=overlap)
     g = torch.Generator().manual_seed(11)
     # 26 requests (more than the graphs' 24, so the first decode steps run eagerly), 18 rows of
@@ -80,8 +86,12 @@ def test_static_decode_matches_eager(tmp_path: Path, overlap: bool, monkeypatch:
             for t in lpa:
                 assert lpa[t] == pytest.approx(lpb[t], abs=1e-5), (i, t)
     static.engine.check_integrity()
-    # the overlapped path (delta buffer added after the GEMM) ran for every group, only when asked
-    assert set(overlapped) == ({"qkv", "o", "gate_up", "down"} if overlap else set())
+    # mode 1: every group's shrink beside its GEMM; mode 2: o and down into the residual stream,
+    # gate_up into a zeroed delta, qkv in place (1's path not taken); each only when asked
+    want_overlapped = {"qkv", "o", "gate_up", "down"} if overlap == 1 else set()
+    assert set(overlapped) == want_overlapped
+    want_concurrent = {("o", False), ("gate_up", True), ("down", False)} if overlap == 2 else set()
+    assert set(concurrent) == want_concurrent
 
 
 def test_static_steps_are_reported(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from triton.compiler import ASTSource
 from loraplex.layers import fused_triton as ft
 
 POINTERS = {
-    name: "*bf16" for name in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "q_ptr", "k_ptr", "qw_ptr", "kw_ptr")
+    name: "*bf16"
+    for name in ("x_ptr", "d_ptr", "res_ptr", "w_ptr", "out_ptr", "q_ptr", "k_ptr", "qw_ptr", "kw_ptr")
 }
 POINTERS.update(pos_ptr="*i64", cache_ptr="*fp32", eps="fp32", eps_q="fp32", eps_k="fp32")
 
@@ -37,7 +38,8 @@ def main() -> None:
         assert "fma." not in ptx, "RoPE kernel compiled with FMAs"
     rope = dict(HQ=8, HKV=1, HALF=12, HQ_PAD=8, HKV_PAD=1, HALF_PAD=16, NORM=False)
     compile_sm90(ft._rotary_kernel, rope, enable_fp_fusion=False)
-    compile_sm90(ft._silu_mul_kernel, dict(BLOCK=1024))
+    for has_delta in (False, True):
+        compile_sm90(ft._silu_mul_kernel, dict(BLOCK=1024, HAS_DELTA=has_delta))
     print("compiled")
 
 

@@ -124,6 +124,10 @@ def check_silu_mul(t: int, i: int, dtype: torch.dtype, device: str) -> None:
     _assert_ulp(out, ref)
     wide = _rand(t, 2 * i + 6, dtype=dtype, device=device, seed=1)[:, 3 : 3 + 2 * i]  # row-strided
     _assert_ulp(_ops().silu_mul(wide), F.silu(wide[:, :i]) * wide[:, i:])
+    # with a delta (a concurrent LoRA step's gate_up output), added first in the activation dtype
+    delta = _rand(t, 2 * i + 2, dtype=dtype, device=device, seed=2, scale=0.5)[:, 1 : 1 + 2 * i]
+    summed = gate_up + delta
+    _assert_ulp(_ops().silu_mul(gate_up, delta), F.silu(summed[:, :i]) * summed[:, i:])
 
 
 # --- the interpreter (CPU) ---------------------------------------------------------------------
