@@ -6,7 +6,10 @@
 # only a few files), they are also packed into $OUT/engine-gpu-check.tgz, and the short summary,
 # printed last, is copied to $OUT/summary.txt. Each part is time-boxed so a
 # hung kernel cannot eat the call (about 6-7 minutes on an H200 in all).
-#   usage: [SKIP_TESTS=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] scripts/engine_gpu_check.sh [bench engine args]
+# KERNEL_VARIANTS="decode w2,decode w2 split-launch" also sweeps those tiling variants (with the
+# GEMM + LoRA table for them); bench engine args such as --also "concurrent;decode w2" follow.
+#   usage: [SKIP_TESTS=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] [KERNEL_VARIANTS=...] \
+#          scripts/engine_gpu_check.sh [bench engine args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PACK_TO=${OUT:-}
@@ -27,8 +30,9 @@ timeout "${BENCH_TIMEOUT:-200}" $PY -m loraplex.bench.cli engine --device cuda -
   | tee "$OUT/bench-engine.log"
 t2=$(date +%s)
 if [ -z "${SKIP_KERNELS:-}" ]; then
-  timeout "${KERNELS_TIMEOUT:-120}" $PY -m loraplex.bench.cli kernels --quick --no-sweep --out "$OUT/kernels" 2>&1 \
-    | tee "$OUT/bench-kernels.log"
+  if [ -n "${KERNEL_VARIANTS:-}" ]; then sweep=(--variants "decode,$KERNEL_VARIANTS"); else sweep=(--no-sweep); fi
+  timeout "${KERNELS_TIMEOUT:-120}" $PY -m loraplex.bench.cli kernels --quick "${sweep[@]}" --out "$OUT/kernels" \
+    2>&1 | tee "$OUT/bench-kernels.log"
 fi
 touch "$OUT/bench-kernels.log"
 t3=$(date +%s)
@@ -39,7 +43,7 @@ t3=$(date +%s)
   echo "bench engine ($((t2 - t1)) s):"
   grep -E '(floor|step|/ base|bandwidth)' "$OUT/bench-engine.log"
   echo "bench kernels ($((t3 - t2)) s):"
-  grep -E '^(PASS|FAIL)|copy bandwidth' "$OUT/bench-kernels.log"
+  grep -E '^(PASS|FAIL)|copy bandwidth|^  (tiling|gemm\+lora) ' "$OUT/bench-kernels.log"
 } | tee "$OUT/summary.txt"
 if [ -n "$PACK_TO" ] && [ "$PACK_TO" != "$OUT" ]; then
   tar czf "$PACK_TO/engine-gpu-check.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$PACK_TO/summary.txt"
