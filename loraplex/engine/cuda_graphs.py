@@ -68,7 +68,7 @@ class _StaticInputs:
     seg_offsets [B + 1]; int32 buffer: context lens [B] | query_start [B + 1] | block table [B, W].
     """
 
-    def __init__(self, batch: int, width: int, device: torch.device) -> None:
+    def __init__(self, batch: int, width: int, device: torch.device, vocab: int) -> None:
         b = batch
         self.batch, self.width = b, width
         pin = device.type == "cuda"
@@ -100,6 +100,11 @@ class _StaticInputs:
         self.row_perm = d64[3 * b : 4 * b]
         self.seg_slots = d64[4 * b : 5 * b]
         self.seg_offsets = d64[5 * b : 6 * b + 1]
+        # Float32 logits [B, V], the output of every graph of this bucket. One per graph would
+        # cost B * V * 4 bytes each (33 MB at B = 64 for a 128k vocabulary, 131 MB at B = 256)
+        # for every LoRA segment capacity and rank tile the bucket meets, after the KV cache was
+        # sized.
+        self.logits = torch.empty(b, vocab, dtype=torch.float32, device=device)
 
     def upload(self) -> None:
         self.dev64.copy_(self.host64, non_blocking=True)
@@ -111,7 +116,7 @@ class _Captured:
     attn: AttentionMetadata
     lora_meta: LoRABatchMetadata | None
     graph: torch.cuda.CUDAGraph | None  # None: eager (capture=False)
-    logits: torch.Tensor | None  # the graph's static output [B, V] float32
+    logits: torch.Tensor | None  # the graph's output: its bucket's static [B, V] float32 buffer
 
 
 class StaticDecodeRunner:
@@ -274,7 +279,7 @@ class StaticDecodeRunner:
 
     def _inputs_for(self, b: int) -> _StaticInputs:
         if b not in self._inputs:
-            self._inputs[b] = _StaticInputs(b, self.width, self.device)
+            self._inputs[b] = _StaticInputs(b, self.width, self.device, self.model.config.vocab_size)
         return self._inputs[b]
 
     def _forward(self, inputs: _StaticInputs, captured: _Captured) -> torch.Tensor:
@@ -290,7 +295,8 @@ class StaticDecodeRunner:
                 concurrent=self.lora_overlap == 2,
             )
         hidden = self.model(inputs.ids, captured.attn, self.kv.k, self.kv.v, lora)
-        return self.model.logits(hidden).float()
+        # the float32 conversion, into the bucket's shared output buffer
+        return inputs.logits.copy_(self.model.logits(hidden))
 
     def _record(self, key: GraphKey, inputs: _StaticInputs) -> _Captured:
         b = key.batch

@@ -109,3 +109,21 @@ def test_static_steps_are_reported(tmp_path: Path) -> None:
     assert all(replay for _, replay in kinds[1:]) and len(kinds) == 3
     assert e.last_stats.num_lora_segments == 2  # distinct adapters, not the cut/padded segments
     assert e.graph_replays == 0  # no CUDA graphs on the CPU: the metric counts only real replays
+
+
+def test_graphs_of_a_bucket_share_one_logits_buffer(tmp_path: Path) -> None:
+    # base-only and LoRA steps of one bucket (two graph keys) return views of one [B, V] buffer,
+    # so graph memory does not grow by B * V * 4 bytes with every LoRA shape a bucket meets
+    _, static = _llms(tmp_path, max_batch=8)
+    e = static.engine
+    runner = e.runner.static_decode
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    outputs = []  # all kept alive, so separate buffers could not share an address by reuse
+    for i, name in enumerate([None, "r16", "r8"]):
+        e.add_request(f"q{i}", [5, 6, 7 + i], params, name)
+        e.step()  # the prefill
+        plan = e.scheduler.schedule()
+        outputs.append(runner.run(plan)[0])
+        e._postprocess(plan, e.runner._run_eager(plan, None))
+    assert len(runner._graphs) >= 2 and len({k.batch for k in runner._graphs}) == 1
+    assert len({t.data_ptr() for t in outputs}) == 1
