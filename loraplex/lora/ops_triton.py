@@ -102,6 +102,10 @@ class TritonLoRABackend:
         self._step: _StepInfo | None = None
         self._counters: dict[torch.device, torch.Tensor] = {}  # fused path: arrival counters, kept zeroed
         self._plans: dict[tuple, FusedPlan | None] = {}  # fused grid per call shape (None: two launches)
+        self._fused_kw: dict[tuple, dict] = {}  # fused launch: compile-time arguments per call shape
+        # Every call of a step plans the same way for its (layer, group): planned once per step.
+        self._call_cache: dict[tuple, _CallPlan | None] = {}
+        self._call_cache_of: tuple[_StepInfo, LoRATiling | None] | None = None
 
     @property
     def total_calls(self) -> int:
@@ -244,12 +248,34 @@ class TritonLoRABackend:
         group: str,
         slice_offsets: Sequence[int],
     ) -> _CallPlan | None:
-        """Everything both launches need, from host values only; None when nothing is launched."""
+        """Everything both launches need, from host values only; None when nothing is launched.
+        Cached per step (the step info object) and tiling: a decode step plans each of its
+        layers x groups calls once, and eager steps call this 4 times per layer."""
         if meta.num_lora_rows == 0 or not meta.targets_group(layer, group):
             return None
         dev = self.device_table(x.device)
         dev.sync(table)
         step = self._step_info(meta, dev)
+        owner = self._call_cache_of
+        if owner is None or owner[0] is not step or owner[1] is not self.tiling:
+            self._call_cache, self._call_cache_of = {}, (step, self.tiling)
+        key = (layer, group, x.device, x.dtype, x.shape[1], tuple(slice_offsets))
+        if key in self._call_cache:
+            return self._call_cache[key]
+        call = self._new_call(x, meta, dev, step, layer, group, slice_offsets)
+        self._call_cache[key] = call
+        return call
+
+    def _new_call(
+        self,
+        x: torch.Tensor,
+        meta: LoRABatchMetadata,
+        dev: LoRADeviceTable,
+        step: _StepInfo,
+        layer: int,
+        group: str,
+        slice_offsets: Sequence[int],
+    ) -> _CallPlan | None:
         slices = GROUP_SLICES[group]
         slice_mask = 0
         for i, t in enumerate(slices):
@@ -345,6 +371,7 @@ class TritonLoRABackend:
         if key in self._plans and self._plans[key] is None:
             return False
         plan = self._plans.get(key)
+        kw_key = (key, slice_mask, tuple(cols), dev.rank_aligned, dev.base.dtype)
         first = plan is None
         sms = self._num_sms(x.device)
         if first:
@@ -373,6 +400,9 @@ class TritonLoRABackend:
                 dev.n_slots, d_in, x.stride(0), y.stride(0), meta.num_lora_rows, tiles // meta.num_segments,
                 p.n_shrink, *cols, ch[0], ch[0] + ch[1], sum(ch),
             )  # fmt: skip
+            kw = self._fused_kw.get(kw_key) if p is self._plans.get(key) else None
+            if kw is not None:
+                return pos, kw
             kw = dict(
                 N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=dev.rank_aligned,
                 W_ALIGN=16 // dev.base.element_size(), COLS_ALIGNED=all(c % 8 == 0 for c in cols),
@@ -407,6 +437,7 @@ class TritonLoRABackend:
                 return False
         self._plans[key] = plan
         pos, kw = args(plan)
+        self._fused_kw[kw_key] = kw
         kernel[(plan.programs,)](*pos, **kw)
         return True
 

@@ -12,7 +12,7 @@ Pure Python (no triton import), so it is testable anywhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,14 @@ class LoRATiling:
     # split launch only: warps of the expand launch (0: fused_warps), which needs far fewer
     # registers than the shrink
     split_expand_warps: int = 0
+
+    def __hash__(self) -> int:
+        # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
 
 # The decode shrink takes the whole grid budget (its expand programs are streamed, so they need no

@@ -248,6 +248,19 @@ def test_fused_handoff_variants(handoff: str) -> None:
     _check_all_groups(be, [0, 1, 0, 1, -1], partial, groups=("qkv", "gate_up"))
 
 
+def test_calls_are_planned_per_step_and_tiling() -> None:
+    # the per-step call cache: a new step (other adapters, so other adapted slices) or a new
+    # tiling must not reuse the previous step's plans
+    table = make_table([16, 8], DTYPE, "cpu", seed=41, targets=[("q",), ("k", "v")])
+    be = _backend(FUSED_DECODE, sms=8)
+    for slots, tiling in (([0, 0, -1], None), ([1, 0, 1], None), ([1, 0, 1], SPLIT_DECODE)):
+        be.tiling = tiling or FUSED_DECODE
+        _check_all_groups(be, slots, table, groups=("qkv",))
+        plans = list(be._call_cache.values())
+        assert len(plans) == 1 and plans[0] is not None and plans[0].tiling is be.tiling
+    assert plans[0].slice_mask == 0b111  # q from adapter 0, k and v from adapter 1
+
+
 def test_fused_falls_back_to_two_launches_when_the_grid_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
     table = make_table([16, 64], DTYPE, "cpu", seed=18)
     be = _backend(with_overrides(FUSED_DECODE, fused_per_sm=1), sms=2)  # 2 programs: never enough
