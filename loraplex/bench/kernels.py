@@ -44,6 +44,8 @@ MAX_ADAPTERS = 64
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode": DECODE,  # one launch per group (fused, streamed expands) for rank tiles <= 16, PDL
+    # the 2026-11-29 default spelled out (one launch, 4 warps), to compare against if DECODE changes
+    "decode fused w4": with_overrides(DECODE, fused_warps=4, fused_split_launch=False, split_expand_warps=0),
     "decode no-pdl": with_overrides(DECODE, pdl=False),
     "decode pdl-early": with_overrides(DECODE, pdl_early=True),
     "decode stages=4": with_overrides(DECODE, fused_stages=4),
