@@ -1,7 +1,10 @@
 """Run the decode target layer's LoRA op (M=64, D=32, r=16, all four groups) a few times, for
-Nsight Compute: `ncu --kernel-name lora_fused_kernel --launch-skip 8 --launch-count 4 \
+Nsight Compute, from the repository root (without an installed package, PYTHONPATH=. finds it):
+`PYTHONPATH=. ncu --kernel-name lora_fused_kernel --launch-skip 8 --launch-count 4 \
 --section SpeedOfLight --section Occupancy --section WarpStateStats python scripts/ncu_lora_decode.py`
 (the first two layers compile and warm up; the profiled ones are the third layer's four calls).
+Per-instruction stall samples: add `--section SourceCounters -o rep`, then
+`ncu -i rep.ncu-rep --page source --csv --print-source sass`.
 
     usage: python scripts/ncu_lora_decode.py [tiling variant name, default "decode"]
 """
