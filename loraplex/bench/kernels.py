@@ -65,6 +65,22 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode bn512": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=8192),
     "decode w2": with_overrides(DECODE, fused_warps=2),
     "decode w2 split-launch": with_overrides(DECODE, fused_warps=2, fused_split_launch=True),
+    # on top of it: K chunks of one step (up to 64 per row tile), with a larger grid budget (two
+    # launches need no co-residency), 2 tiles per expand program, or 512-column tiles
+    "decode w2 split-launch k1 budget16": with_overrides(
+        DECODE,
+        fused_warps=2,
+        fused_split_launch=True,
+        fused_min_k_steps=1,
+        fused_max_split=64,
+        fused_per_sm=16,
+    ),
+    "decode w2 split-launch sub2": with_overrides(
+        DECODE, fused_warps=2, fused_split_launch=True, fused_expand_sub=2
+    ),
+    "decode w2 split-launch bn512": with_overrides(
+        DECODE, fused_warps=2, fused_split_launch=True, fused_block_n=512, fused_tile_elems=8192
+    ),
     # split launch, each launch with its own warps (shrink / expand)
     "decode split-launch w4/2": with_overrides(DECODE, fused_split_launch=True, split_expand_warps=2),
     "decode split-launch w2/1 bn128": with_overrides(

@@ -33,6 +33,7 @@ class LoRATiling:
     fused: bool = False
     fused_max_rank: int = 16  # fused only when the step's rank tile is at most this (see docs/kernels.md)
     fused_max_split: int = 16  # K chunks per row tile in the fused grid
+    fused_min_k_steps: int = 2  # K steps (block_k each) per chunk, at least
     fused_block_n: int = 256  # expand: columns per tile (fewer for large rank tiles: fused_tile_elems)
     fused_tile_elems: int = 4096  # expand: most elements of one B tile (block_r x block_n)
     fused_per_sm: int = 6  # fused grid budget: programs per SM (checked against the compiled kernel)
@@ -157,14 +158,15 @@ def plan_fused(
     # The grid is shared in proportion to the bytes each side streams (A: d_in per adapted slice,
     # B: the slices' widths; the rank cancels), so shrink and expand programs carry similar loads.
     # K is split as finely as the shrink share allows (any count, not only powers of two),
-    # keeping each chunk at least two K steps long.
+    # keeping each chunk at least `fused_min_k_steps` K steps long.
     a_cols = d_in * sum(1 for w in widths if w)
     share = min(tiling.fused_max_share, max(tiling.fused_min_share, a_cols / (a_cols + sum(widths))))
     want = int(budget * share) // max(tiles * r_chunks, 1)
     block_n = max(16, min(tiling.fused_block_n, tiling.fused_tile_elems // block_r))
     n_tiles = [_cdiv(w, block_n) for w in widths]
     # fewer K chunks when the expand programs would not fit otherwise
-    for n_split in range(max(1, min(want, tiling.fused_max_split, d_in // (2 * tiling.block_k))), 0, -1):
+    most = d_in // (tiling.fused_min_k_steps * tiling.block_k)
+    for n_split in range(max(1, min(want, tiling.fused_max_split, most)), 0, -1):
         chunk = _cdiv(_cdiv(d_in, n_split), tiling.block_k) * tiling.block_k
         split = ShrinkSplit(_cdiv(d_in, chunk), chunk)
         n_shrink = tiles * r_chunks * split.n_split

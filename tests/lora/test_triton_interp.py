@@ -230,6 +230,9 @@ def test_fused_partial_targets_and_repeated_calls() -> None:
 HANDOFFS = {
     "counters, byte share": dict(fused_min_share=0.2, fused_max_share=0.8, fused_max_split=16),
     "split launch": dict(fused_split_launch=True, split_expand_warps=2),
+    "split launch, one K step per chunk": dict(
+        fused_split_launch=True, fused_min_k_steps=1, fused_max_split=64
+    ),
 }
 
 
