@@ -71,7 +71,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        row_slots: list[int] = []
+        lora_runs: list[tuple[int, int, int]] = []  # (adapter slot, first row, rows) per chunk
         query_start = [0]
         context_lens: list[int] = []
         sample_rows: list[int] = []
@@ -83,11 +83,14 @@ class ModelRunner:
             start = seq.num_computed
             end = start + chunk.num_tokens
             table = seq.block_ids
-            for pos in range(start, end):
-                input_ids.append(seq.token_at(pos))
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-                row_slots.append(seq.slot)
+            lora_runs.append((seq.slot, len(input_ids), end - start))
+            input_ids.extend(seq.tokens_between(start, end))
+            positions.extend(range(start, end))
+            # KV slots block by block: each block's positions are one contiguous run of slots
+            for b in range(start // bs, -(-end // bs)):
+                lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
+                first = table[b] * bs + lo - b * bs
+                slots.extend(range(first, first + hi - lo))
             wants_prompt_lp = seq.params.prompt_logprobs is not None
             if wants_prompt_lp:
                 # Row at position p predicts prompt token p + 1; skip entries already recorded
@@ -112,7 +115,7 @@ class ModelRunner:
             bs,
             dev,
         )
-        lora_meta = LoRABatchMetadata.build(row_slots, self.lora_table, dev)
+        lora_meta = LoRABatchMetadata.build_runs(lora_runs, len(input_ids), self.lora_table, dev)
         lora = LoRAStep(lora_meta, self.lora_table, self.lora_backend) if lora_meta.num_segments else None
         ids = to_device(input_ids, torch.int64, dev)
         hidden = self.model(ids, attn, self.kv.k, self.kv.v, lora, hidden_capture)

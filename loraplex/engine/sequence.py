@@ -54,6 +54,15 @@ class Sequence:
         p = self.prompt_len
         return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """The token ids at positions [start, end) (prompt, then output)."""
+        p = self.prompt_len
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
@@ -97,16 +98,36 @@ class LoRABatchMetadata:
         cls, row_slots: Sequence[int], table: LoRASlotTable, device: torch.device | str = "cpu"
     ) -> LoRABatchMetadata:
         """Group rows by slot, in order of each slot's first row (stable within a segment)."""
-        rows_by_slot: dict[int, list[int]] = {}
-        for row, slot in enumerate(row_slots):
-            if slot != BASE_SLOT:
-                rows_by_slot.setdefault(slot, []).append(row)
+        runs: list[tuple[int, int, int]] = []
+        row = 0
+        for slot, group in groupby(row_slots):
+            n = sum(1 for _ in group)
+            runs.append((slot, row, n))
+            row += n
+        return cls.build_runs(runs, row, table, device)
+
+    @classmethod
+    def build_runs(
+        cls,
+        runs: Sequence[tuple[int, int, int]],
+        num_rows: int,
+        table: LoRASlotTable,
+        device: torch.device | str = "cpu",
+    ) -> LoRABatchMetadata:
+        """`build` from runs of consecutive rows on one slot, (slot, first row, rows) in row
+        order: what an eager step has (a chunk's tokens are consecutive rows of one sequence), so
+        the host work grows with the number of chunks, not of tokens."""
+        runs_by_slot: dict[int, list[tuple[int, int]]] = {}
+        for slot, first, n in runs:
+            if slot != BASE_SLOT and n > 0:
+                runs_by_slot.setdefault(slot, []).append((first, n))
         perm: list[int] = []
         offsets = [0]
         slots: list[int] = []
         active: set[tuple[int, str]] = set()
-        for slot, rows in rows_by_slot.items():
-            perm.extend(rows)
+        for slot, slot_runs in runs_by_slot.items():
+            for first, n in slot_runs:
+                perm.extend(range(first, first + n))
             offsets.append(len(perm))
             slots.append(slot)
             active |= table.groups_of(slot)
@@ -114,7 +135,7 @@ class LoRABatchMetadata:
         packed = to_device(perm + offsets + slots, torch.int64, dev)  # one copy for the three
         n, s = len(perm), len(slots)
         return cls(
-            num_rows=len(row_slots),
+            num_rows=num_rows,
             row_perm=packed[:n],
             seg_offsets=packed[n : n + s + 1],
             seg_slots=packed[n + s + 1 :],

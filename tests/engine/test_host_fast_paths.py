@@ -275,3 +275,46 @@ def test_decode_chunks_are_made_once_per_sequence() -> None:
     assert all(c is seen[0] for c in seen)
     sched.finish(seq)
     assert not sched._decode_chunks and seq.status is SequenceStatus.FINISHED
+
+
+# --- eager-step host paths: per chunk, not per token -----------------------------------------
+
+
+def test_tokens_between_matches_token_at() -> None:
+    seq = Sequence("r", list(range(100, 107)), SamplingParams(), None, BASE_SLOT, 0)
+    seq.output_token_ids = [7, 8, 9]
+    for start, end in itertools.combinations(range(seq.num_tokens + 1), 2):
+        assert seq.tokens_between(start, end) == [seq.token_at(p) for p in range(start, end)]
+
+
+def test_lora_metadata_from_runs_equals_per_row_grouping() -> None:
+    # runs of one slot per chunk, slots repeating in later chunks and base rows between: the
+    # run-based builder gives the per-row grouping (rows by slot in order of first appearance)
+    from lora.lora_cases import make_table
+
+    from loraplex.lora.metadata import LoRABatchMetadata
+
+    table = make_table([8, 16, 4], torch.float32, "cpu", seed=3)
+    rng = random.Random(5)
+    for _ in range(20):
+        runs, row = [], 0
+        for _ in range(rng.randint(1, 8)):
+            n = rng.choice([0, 1, 1, 2, 5, 17])
+            runs.append((rng.choice([BASE_SLOT, 0, 1, 2]), row, n))
+            row += n
+        row_slots = [slot for slot, _, n in runs for _ in range(n)]
+        per_row = {}
+        for r, slot in enumerate(row_slots):
+            if slot != BASE_SLOT:
+                per_row.setdefault(slot, []).append(r)
+        want_perm = [r for rows in per_row.values() for r in rows]
+        for meta in (
+            LoRABatchMetadata.build_runs(runs, row, table),
+            LoRABatchMetadata.build(row_slots, table),
+        ):
+            assert meta.num_rows == row
+            assert meta.row_perm.tolist() == want_perm
+            assert list(meta.seg_slots_host) == list(per_row)
+            sizes = [len(rows) for rows in per_row.values()]
+            assert list(meta.seg_offsets_host) == list(itertools.accumulate([0, *sizes]))
+            assert meta.seg_offsets.tolist() == list(meta.seg_offsets_host)
