@@ -43,9 +43,10 @@ class _StepInfo:
     max_seg_rows: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _CallPlan:
-    """One call's launch parameters, shared by its shrink and expand launches."""
+    """One call's launch parameters, shared by its shrink and expand launches (built for every
+    call of an eager step, hence a slots class: a fifth of a frozen dataclass's build time)."""
 
     dev: LoRADeviceTable
     step: _StepInfo
@@ -60,6 +61,13 @@ class _CallPlan:
     cols: list[int]
     widest: int
 
+    def with_layer(self, tabs: GroupTables, slice_mask: int) -> _CallPlan:
+        """This group's call for one layer: its tables and adapted slices, the rest shared."""
+        return _CallPlan(
+            self.dev, self.step, self.tiling, tabs, slice_mask, self.n_slices, self.n_segs,
+            self.row_tiles, self.split, self.r_chunks, self.cols, self.widest,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class LoRAPartial:
@@ -70,6 +78,8 @@ class LoRAPartial:
     meta: LoRABatchMetadata
     slice_offsets: tuple[int, ...]
 
+
+_UNPLANNED = object()  # a call shape whose fused plan is not made yet (None: no fused plan fits)
 
 # Row tiles a fused call may have: the size of the per-device arrival counter buffer, one counter
 # per 128-byte line (the kernels' CNT_STRIDE).
@@ -103,9 +113,12 @@ class TritonLoRABackend:
         self._counters: dict[torch.device, torch.Tensor] = {}  # fused path: arrival counters, kept zeroed
         self._plans: dict[tuple, FusedPlan | None] = {}  # fused grid per call shape (None: two launches)
         self._fused_kw: dict[tuple, dict] = {}  # fused launch: compile-time arguments per call shape
-        # Every call of a step plans the same way for its (layer, group): planned once per step.
-        self._call_cache: dict[tuple, _CallPlan | None] = {}
+        # What every layer's call of one group shares within a step (tiling, split, columns), and
+        # the (layer, group) shapes already checked against the device tables' version.
+        self._call_cache: dict[tuple, _CallPlan] = {}
         self._call_cache_of: tuple[_StepInfo, LoRATiling | None] | None = None
+        self._checked: set[tuple] = set()
+        self._checked_version = -1
 
     @property
     def total_calls(self) -> int:
@@ -249,33 +262,13 @@ class TritonLoRABackend:
         slice_offsets: Sequence[int],
     ) -> _CallPlan | None:
         """Everything both launches need, from host values only; None when nothing is launched.
-        Cached per step (the step info object) and tiling: a decode step plans each of its
-        layers x groups calls once, and eager steps call this 4 times per layer."""
+        An eager step calls this for every layer and group: what the calls of one group share is
+        derived once per step, the shape checks once per (layer, group) and table version."""
         if meta.num_lora_rows == 0 or not meta.targets_group(layer, group):
             return None
         dev = self.device_table(x.device)
         dev.sync(table)
         step = self._step_info(meta, dev)
-        owner = self._call_cache_of
-        if owner is None or owner[0] is not step or owner[1] is not self.tiling:
-            self._call_cache, self._call_cache_of = {}, (step, self.tiling)
-        key = (layer, group, x.device, x.dtype, x.shape[1], tuple(slice_offsets))
-        if key in self._call_cache:
-            return self._call_cache[key]
-        call = self._new_call(x, meta, dev, step, layer, group, slice_offsets)
-        self._call_cache[key] = call
-        return call
-
-    def _new_call(
-        self,
-        x: torch.Tensor,
-        meta: LoRABatchMetadata,
-        dev: LoRADeviceTable,
-        step: _StepInfo,
-        layer: int,
-        group: str,
-        slice_offsets: Sequence[int],
-    ) -> _CallPlan | None:
         slices = GROUP_SLICES[group]
         slice_mask = 0
         for i, t in enumerate(slices):
@@ -283,7 +276,33 @@ class TritonLoRABackend:
                 slice_mask |= 1 << i
         if slice_mask == 0:
             return None
-        self._check(x, dev, layer, slices, slice_mask, slice_offsets)
+        offsets = tuple(slice_offsets)
+        if dev.version != self._checked_version:
+            self._checked, self._checked_version = set(), dev.version
+        checked = (layer, group, x.device, x.dtype, x.shape[1], offsets, slice_mask)
+        if checked not in self._checked:
+            self._check(x, dev, layer, slices, slice_mask, offsets)
+            self._checked.add(checked)
+        owner = self._call_cache_of
+        if owner is None or owner[0] is not step or owner[1] is not self.tiling:
+            self._call_cache, self._call_cache_of = {}, (step, self.tiling)
+        shared = self._call_cache.get((group, x.device, x.shape[1], offsets))
+        if shared is None:
+            shared = self._group_call(x, meta, dev, step, slices, offsets)
+            self._call_cache[(group, x.device, x.shape[1], offsets)] = shared
+        return shared.with_layer(dev.group(layer, group), slice_mask)
+
+    def _group_call(
+        self,
+        x: torch.Tensor,
+        meta: LoRABatchMetadata,
+        dev: LoRADeviceTable,
+        step: _StepInfo,
+        slices: tuple[str, ...],
+        slice_offsets: tuple[int, ...],
+    ) -> _CallPlan:
+        """The parts of a call that every layer's call of this group shares in a step (tabs and
+        slice mask are the caller's to fill in)."""
         tiling = self.tiling or pick_tiling(step.max_seg_rows)
         n_segs = meta.num_segments
         row_tiles = _cdiv(step.max_seg_rows, tiling.block_m)
@@ -291,8 +310,8 @@ class TritonLoRABackend:
             dev=dev,
             step=step,
             tiling=tiling,
-            tabs=dev.group(layer, group),
-            slice_mask=slice_mask,
+            tabs=None,  # type: ignore[arg-type]
+            slice_mask=0,
             n_slices=len(slices),
             n_segs=n_segs,
             row_tiles=row_tiles,
@@ -368,11 +387,13 @@ class TritonLoRABackend:
             slice_offsets[i + 1] - slice_offsets[i] if slice_mask >> i & 1 else 0 for i in range(n_slices)
         )
         key = (tiling, tiles, r_chunks, d_in, widths, step.block_r, x.device, x.dtype)
-        if key in self._plans and self._plans[key] is None:
+        plan = self._plans.get(key, _UNPLANNED)
+        if plan is None:
             return False
-        plan = self._plans.get(key)
+        first = plan is _UNPLANNED
+        if first:
+            plan = None
         kw_key = (key, slice_mask, tuple(cols), dev.rank_aligned, dev.base.dtype)
-        first = plan is None
         sms = self._num_sms(x.device)
         if first:
             if tiles > MAX_FUSED_TILES:
@@ -400,7 +421,7 @@ class TritonLoRABackend:
                 dev.n_slots, d_in, x.stride(0), y.stride(0), meta.num_lora_rows, tiles // meta.num_segments,
                 p.n_shrink, *cols, ch[0], ch[0] + ch[1], sum(ch),
             )  # fmt: skip
-            kw = self._fused_kw.get(kw_key) if p is self._plans.get(key) else None
+            kw = None if first else self._fused_kw.get(kw_key)  # a re-planned grid needs its own
             if kw is not None:
                 return pos, kw
             kw = dict(

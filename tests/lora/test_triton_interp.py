@@ -252,16 +252,25 @@ def test_fused_handoff_variants(handoff: str) -> None:
 
 
 def test_calls_are_planned_per_step_and_tiling() -> None:
-    # the per-step call cache: a new step (other adapters, so other adapted slices) or a new
-    # tiling must not reuse the previous step's plans
-    table = make_table([16, 8], DTYPE, "cpu", seed=41, targets=[("q",), ("k", "v")])
+    # the per-step cache of what a group's calls share: a new step (other adapters, so other
+    # adapted slices and segments) or a new tiling must not reuse the previous step's plan, and
+    # the calls of two layers share one entry
+    table = make_table([16, 8], DTYPE, "cpu", num_layers=2, seed=41, targets=[("q",), ("k", "v")])
     be = _backend(FUSED_DECODE, sms=8)
-    for slots, tiling in (([0, 0, -1], None), ([1, 0, 1], None), ([1, 0, 1], SPLIT_DECODE)):
-        be.tiling = tiling or FUSED_DECODE
-        _check_all_groups(be, slots, table, groups=("qkv",))
-        plans = list(be._call_cache.values())
-        assert len(plans) == 1 and plans[0] is not None and plans[0].tiling is be.tiling
-    assert plans[0].slice_mask == 0b111  # q from adapter 0, k and v from adapter 1
+    d_in, widths = SMALL_SHAPES["qkv"]
+    offs = slice_offsets(widths)
+    cases = (([0, 0, -1], FUSED_DECODE), ([1, 0, 1, 1], FUSED_DECODE), ([1, 0, 1, 1], SPLIT_DECODE))
+    for slots, tiling in cases:
+        be.tiling = tiling
+        meta = LoRABatchMetadata.build(slots, table)
+        for layer in (0, 1):
+            x = torch.randn(len(slots), d_in, dtype=DTYPE)
+            y0 = torch.randn(len(slots), offs[-1], dtype=DTYPE)
+            y = y0.clone()
+            be.apply(y, x, meta, table, layer, "qkv", offs)
+            assert row_errors(y, reference(y0, x, meta, table, layer, "qkv", offs)).max() <= 1e-4
+        (shared,) = be._call_cache.values()
+        assert shared.tiling is tiling and shared.n_segs == meta.num_segments
 
 
 def test_fused_falls_back_to_two_launches_when_the_grid_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
