@@ -54,6 +54,61 @@ def _shrink_store(h_ptr, acc, block, num_rows, offs_m, m_mask, offs_r, BLOCK_R: 
 
 
 @triton.jit
+def _slice_entries(
+    w_base, tab, rank_tab, n_slots, slot, N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr,
+    RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
+):  # fmt: skip
+    """(pointer, rank) of slices 0, 1, 2 for this slot (slices past N_SLICES repeat slice 0, and
+    are never read) and the largest rank over the slices SLICE_MASK keeps."""
+    p0, r0 = _slice_entry(w_base, tab, rank_tab, n_slots, slot, 0, RANK_ALIGNED, W_ALIGN)
+    r_max = r0 if SLICE_MASK & 1 else 0
+    p1, r1 = p0, r0
+    p2, r2 = p0, r0
+    if N_SLICES > 1:
+        p1, r1 = _slice_entry(w_base, tab, rank_tab, n_slots, slot, 1, RANK_ALIGNED, W_ALIGN)
+        if SLICE_MASK & 2:
+            r_max = tl.maximum(r_max, r1)
+    if N_SLICES > 2:
+        p2, r2 = _slice_entry(w_base, tab, rank_tab, n_slots, slot, 2, RANK_ALIGNED, W_ALIGN)
+        if SLICE_MASK & 4:
+            r_max = tl.maximum(r_max, r2)
+    return p0, r0, p1, r1, p2, r2, r_max
+
+
+@triton.jit
+def _shrink_tile(
+    x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm, num_rows,
+    N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr, K_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice."""
+    acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    k_lo = split * K_CHUNK
+    # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).
+    for kk in range(0, K_CHUNK, BLOCK_K):
+        offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < d_in  # chunks never overlap (the loop stays inside K_CHUNK)
+        # one X tile feeds every slice: X is read once per group, not once per slice
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if SLICE_MASK & 1:
+            acc0 = _shrink_acc(acc0, xt, a0, r0, d_in, offs_r, offs_k, k_mask)
+        if N_SLICES > 1 and SLICE_MASK & 2:
+            acc1 = _shrink_acc(acc1, xt, a1, r1, d_in, offs_r, offs_k, k_mask)
+        if N_SLICES > 2 and SLICE_MASK & 4:
+            acc2 = _shrink_acc(acc2, xt, a2, r2, d_in, offs_r, offs_k, k_mask)
+    # Every (split, slice) row block the expand kernel will read is written here, zeros included.
+    if SLICE_MASK & 1:
+        _shrink_store(h_ptr, acc0, split * N_SLICES, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+    if N_SLICES > 1 and SLICE_MASK & 2:
+        _shrink_store(h_ptr, acc1, split * N_SLICES + 1, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+    if N_SLICES > 2 and SLICE_MASK & 4:
+        _shrink_store(h_ptr, acc2, split * N_SLICES + 2, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+
+
+@triton.jit
 def lora_shrink_kernel(
     x_ptr,  # x: [T, d_in]
     w_base,  # the weight table's base buffer; a_tab holds element offsets from it
@@ -93,19 +148,9 @@ def lora_shrink_kernel(
     seg_lo = tl.load(seg_offsets_ptr + seg)
     seg_hi = tl.load(seg_offsets_ptr + seg + 1)
     slot = tl.load(seg_slots_ptr + seg)
-    a0, r0 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 0, RANK_ALIGNED, W_ALIGN)
-    acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
-    r_max = r0 if SLICE_MASK & 1 else 0
-    if N_SLICES > 1:
-        a1, r1 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 1, RANK_ALIGNED, W_ALIGN)
-        acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
-        if SLICE_MASK & 2:
-            r_max = tl.maximum(r_max, r1)
-    if N_SLICES > 2:
-        a2, r2 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 2, RANK_ALIGNED, W_ALIGN)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
-        if SLICE_MASK & 4:
-            r_max = tl.maximum(r_max, r2)
+    a0, r0, a1, r1, a2, r2, r_max = _slice_entries(
+        w_base, a_tab, rank_tab, n_slots, slot, N_SLICES, SLICE_MASK, RANK_ALIGNED, W_ALIGN
+    )
     m0 = seg_lo + (pid % row_tiles) * BLOCK_M
     if m0 >= seg_hi:  # shorter segments leave tail tiles empty (also: zero-length padding segments)
         return
@@ -115,29 +160,10 @@ def lora_shrink_kernel(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
-    x_rows = x_ptr + rows[:, None] * stride_xm
-
-    k_lo = split * K_CHUNK
-    # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).
-    for kk in range(0, K_CHUNK, BLOCK_K):
-        offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < d_in  # chunks never overlap (the loop stays inside K_CHUNK)
-        # one X tile feeds every slice: X is read once per group, not once per slice
-        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if SLICE_MASK & 1:
-            acc0 = _shrink_acc(acc0, xt, a0, r0, d_in, offs_r, offs_k, k_mask)
-        if N_SLICES > 1 and SLICE_MASK & 2:
-            acc1 = _shrink_acc(acc1, xt, a1, r1, d_in, offs_r, offs_k, k_mask)
-        if N_SLICES > 2 and SLICE_MASK & 4:
-            acc2 = _shrink_acc(acc2, xt, a2, r2, d_in, offs_r, offs_k, k_mask)
-
-    # Every (split, slice) row block the expand kernel will read is written here, zeros included.
-    if SLICE_MASK & 1:
-        _shrink_store(h_ptr, acc0, split * N_SLICES, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
-    if N_SLICES > 1 and SLICE_MASK & 2:
-        _shrink_store(h_ptr, acc1, split * N_SLICES + 1, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
-    if N_SLICES > 2 and SLICE_MASK & 4:
-        _shrink_store(h_ptr, acc2, split * N_SLICES + 2, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+    _shrink_tile(
+        x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm, num_rows,
+        N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -249,18 +275,9 @@ def _fused_shrink_part(
     seg_lo = tl.load(seg_offsets_ptr + seg)
     seg_hi = tl.load(seg_offsets_ptr + seg + 1)
     slot = tl.load(seg_slots_ptr + seg)
-    a0, r0 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 0, RANK_ALIGNED, W_ALIGN)
-    r_max = r0 if SLICE_MASK & 1 else 0
-    a1, r1 = a0, r0
-    a2, r2 = a0, r0
-    if N_SLICES > 1:
-        a1, r1 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 1, RANK_ALIGNED, W_ALIGN)
-        if SLICE_MASK & 2:
-            r_max = tl.maximum(r_max, r1)
-    if N_SLICES > 2:
-        a2, r2 = _slice_entry(w_base, a_tab, rank_tab, n_slots, slot, 2, RANK_ALIGNED, W_ALIGN)
-        if SLICE_MASK & 4:
-            r_max = tl.maximum(r_max, r2)
+    a0, r0, a1, r1, a2, r2, r_max = _slice_entries(
+        w_base, a_tab, rank_tab, n_slots, slot, N_SLICES, SLICE_MASK, RANK_ALIGNED, W_ALIGN
+    )
     m0 = seg_lo + (tile % row_tiles) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_hi
@@ -272,27 +289,10 @@ def _fused_shrink_part(
         tl.extra.cuda.gdc_wait()
     # An idle program (past its segment's rows or its adapter's rank) still arrives below.
     if (m0 < seg_hi) & (rc * BLOCK_RC < r_max):
-        acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
-        x_rows = x_ptr + rows[:, None] * stride_xm
-        k_lo = split * K_CHUNK
-        for kk in range(0, K_CHUNK, BLOCK_K):
-            offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < d_in
-            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if SLICE_MASK & 1:
-                acc0 = _shrink_acc(acc0, xt, a0, r0, d_in, offs_r, offs_k, k_mask)
-            if N_SLICES > 1 and SLICE_MASK & 2:
-                acc1 = _shrink_acc(acc1, xt, a1, r1, d_in, offs_r, offs_k, k_mask)
-            if N_SLICES > 2 and SLICE_MASK & 4:
-                acc2 = _shrink_acc(acc2, xt, a2, r2, d_in, offs_r, offs_k, k_mask)
-        if SLICE_MASK & 1:
-            _shrink_store(h_ptr, acc0, split * N_SLICES, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
-        if N_SLICES > 1 and SLICE_MASK & 2:
-            _shrink_store(h_ptr, acc1, split * N_SLICES + 1, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
-        if N_SLICES > 2 and SLICE_MASK & 4:
-            _shrink_store(h_ptr, acc2, split * N_SLICES + 2, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+        _shrink_tile(
+            x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
+            num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK,
+        )  # fmt: skip
     if COUNTERS:
         # Publish: every thread's h stores are ordered before the (single-thread) release increment.
         tl.debug_barrier()

@@ -1,15 +1,9 @@
-"""Compile the attention kernels for sm_90 (H100/H200) on a machine without a GPU.
-
-The interpreter runs the kernels' Python and so accepts things the compiler refuses (a plain
-module global read inside a kernel, say); this catches those in CPU CI. Run as a script with
-TRITON_INTERPRET unset (`test_attention_kernels.py` does that in a subprocess).
-"""
+"""Compile the attention kernels for sm_90 (H100/H200) on a machine without a GPU
+(`helpers/sm90.py`; `test_attention_kernels.py` runs this in a subprocess)."""
 
 from __future__ import annotations
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from helpers.sm90 import compile_sm90 as _compile
 
 from loraplex.layers import attention_triton as at
 
@@ -21,9 +15,7 @@ POINTERS.update(qk_scale="fp32")
 
 
 def compile_sm90(fn, constexprs: dict, num_warps: int = 4) -> None:  # noqa: ANN001
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn, signature, constexprs=constexprs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    _compile(fn, constexprs, POINTERS, num_warps)
 
 
 def main() -> None:

@@ -1,15 +1,11 @@
-"""Compile the fused elementwise kernels (`fused_triton.py`) for sm_90 on a machine without a GPU.
-
-Like `sm90_compile.py` for the attention kernels: catches what the interpreter accepts and the
-compiler refuses. Run as a script with TRITON_INTERPRET unset (`test_fused_ops.py` does that in a
-subprocess). Llama-3-8B shapes in bf16, plus Qwen3's fused q/k norm and a padded head_dim.
+"""Compile the fused elementwise kernels (`fused_triton.py`) for sm_90 on a machine without a GPU
+(`helpers/sm90.py`; `test_fused_ops.py` runs this in a subprocess). Llama-3-8B shapes in bf16,
+plus Qwen3's fused q/k norm and a padded head_dim.
 """
 
 from __future__ import annotations
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from helpers.sm90 import compile_sm90 as _compile
 
 from loraplex.layers import fused_triton as ft
 
@@ -22,10 +18,7 @@ POINTERS.update(pos_ptr="*i64", cache_ptr="*fp32", eps="fp32", eps_q="fp32", eps
 
 def compile_sm90(fn, constexprs: dict, num_warps: int = 4, **options) -> str:  # noqa: ANN001, ANN003
     """Returns the PTX."""
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn, signature, constexprs=constexprs)
-    target = GPUTarget("cuda", 90, 32)
-    return triton.compile(src, target=target, options=dict(num_warps=num_warps, **options)).asm["ptx"]
+    return _compile(fn, constexprs, POINTERS, num_warps, **options)
 
 
 def main() -> None:

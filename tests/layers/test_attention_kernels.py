@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers.sm90 import can_compile_sm90, run_compile_script
 
 from loraplex.layers.attention import (
     AttentionMetadata,
@@ -30,7 +31,7 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import: @triton.jit reads it
 
 try:
-    import triton
+    import triton  # noqa: F401  (after TRITON_INTERPRET is set above)
 
     HAS_TRITON = True
 except ImportError:
@@ -155,19 +156,10 @@ def test_package_imports_without_triton() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "0"})
 
 
-def _can_compile_sm90() -> bool:
-    if not HAS_TRITON:
-        return False
-    from pathlib import Path
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _can_compile_sm90(), reason="needs triton with its NVIDIA backend (ptxas)")
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton with its NVIDIA backend (ptxas)")
 def test_kernels_compile_for_sm90() -> None:
     """The compiler, not only the interpreter, accepts the kernels (no GPU needed)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
-    subprocess.run([sys.executable, "-m", "layers.sm90_compile"], check=True, env=env, timeout=300)
+    run_compile_script("layers.sm90_compile")
 
 
 # --- the kernels in the interpreter (float32) ------------------------------------------------

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.sm90 import can_compile_sm90, run_compile_script
 
 from loraplex.config import RopeConfig
 from loraplex.layers.norm import rms_norm_torch
@@ -26,7 +27,7 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import: @triton.jit reads it
 
 try:
-    import triton
+    import triton  # noqa: F401  (after TRITON_INTERPRET is set above)
 
     HAS_TRITON = True
 except ImportError:
@@ -194,19 +195,10 @@ def test_cpu_path_imports_no_triton() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "0"})
 
 
-def _can_compile_sm90() -> bool:
-    if not HAS_TRITON:
-        return False
-    from pathlib import Path
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _can_compile_sm90(), reason="needs triton with its NVIDIA backend (ptxas)")
+@pytest.mark.skipif(not can_compile_sm90(), reason="needs triton with its NVIDIA backend (ptxas)")
 def test_kernels_compile_for_sm90() -> None:
     """The compiler, not only the interpreter, accepts the kernels (no GPU needed)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
-    subprocess.run([sys.executable, "-m", "layers.sm90_compile_fused"], check=True, env=env, timeout=300)
+    run_compile_script("layers.sm90_compile_fused")
 
 
 # --- CUDA (bf16) ---------------------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""Compile the LoRA kernels (`lora/triton_kernels.py`) for sm_90 on a machine without a GPU
+(`helpers/sm90.py`; `test_lora_compile.py` runs this in a subprocess): the fused kernel with and
+without PDL, its two halves as separate launches, and the two-launch shrink/expand pair, at the
+decode target's tiling (3 slices, rank tile 16) and the prefill tiling.
+
+    python -m lora.sm90_compile_lora [DIR]   # from tests/; DIR: also write each kernel's PTX there
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from helpers.sm90 import compile_sm90
+
+from loraplex.lora import triton_kernels as tk
+
+POINTERS = {name: "*bf16" for name in ("x_ptr", "y_ptr", "w_base")}
+POINTERS.update(h_ptr="*fp32", scale_tab="*fp32", cnt_ptr="*i32", err_ptr="*i32", rank_tab="*i32")
+POINTERS.update(
+    {name: "*i64" for name in ("row_perm_ptr", "seg_offsets_ptr", "seg_slots_ptr", "a_tab", "b_tab")}
+)
+
+COMMON = dict(N_SLICES=3, RANK_ALIGNED=True, W_ALIGN=8, BLOCK_R=16)
+SHRINK = dict(SLICE_MASK=7, BLOCK_K=128, BLOCK_RC=16, K_CHUNK=256)
+EXPAND = dict(COLS_ALIGNED=True, BLOCK_N=256, N_SUB=1)
+
+
+def kernels() -> dict[str, tuple]:
+    """name -> (kernel, constexprs, num_warps, num_stages)"""
+    out: dict[str, tuple] = {}
+    for pdl in (0, 1, 2):
+        consts = dict(COMMON, **SHRINK, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl)
+        out[f"fused_pdl{pdl}"] = (tk.lora_fused_kernel, consts, 4, 3)
+    for pdl in (0, 1):
+        out[f"shrink_pdl{pdl}"] = (
+            tk.lora_shrink_pdl_kernel,
+            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl),
+            2,
+            3,
+        )
+        consts = dict(COMMON, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl)
+        out[f"expand_pdl{pdl}"] = (tk.lora_expand_pdl_kernel, consts, 2, 3)
+    for name, block_m, block_k, split in (("decode", 16, 128, 16), ("prefill", 64, 64, 4)):
+        consts = dict(
+            COMMON, SLICE_MASK=7, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_RC=16, K_CHUNK=2 * block_k
+        )
+        out[f"shrink_{name}"] = (tk.lora_shrink_kernel, consts, 4, 3)
+        consts = dict(COMMON, SLICE_MASK=7, COLS_ALIGNED=True, BLOCK_M=block_m, BLOCK_N=128, N_SPLIT=split)
+        out[f"expand_{name}"] = (tk.lora_expand_kernel, dict(consts, N_CHUNK=512), 4, 3)
+    return out
+
+
+def main() -> None:
+    dump = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    for name, (fn, consts, warps, stages) in kernels().items():
+        ptx = compile_sm90(fn, consts, POINTERS, warps, num_stages=stages)
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / f"{name}.ptx").write_text(ptx)
+    print("compiled")
+
+
+if __name__ == "__main__":
+    main()
