@@ -209,20 +209,7 @@ class TritonLoRABackend:
         if (
             call.tiling.fused
             and call.step.block_r <= call.tiling.fused_max_rank
-            and self._launch_fused(
-                y,
-                x,
-                meta,
-                call.dev,
-                call.tabs,
-                call.tiling,
-                call.step,
-                call.n_segs * call.row_tiles,
-                call.r_chunks,
-                call.slice_mask,
-                slice_offsets,
-                call.cols,
-            )  # fmt: skip
+            and self._launch_fused(y, x, meta, call, slice_offsets)
         ):
             self.calls[group] += 1
             return
@@ -362,15 +349,8 @@ class TritonLoRABackend:
         y: torch.Tensor,
         x: torch.Tensor,
         meta: LoRABatchMetadata,
-        dev: LoRADeviceTable,
-        tabs: GroupTables,
-        tiling: LoRATiling,
-        step: _StepInfo,
-        tiles: int,
-        r_chunks: int,
-        slice_mask: int,
+        call: _CallPlan,
         slice_offsets: Sequence[int],
-        cols: list[int],
     ) -> bool:
         """One launch for the whole call when the fused grid fits on the GPU at once; False
         (nothing launched) otherwise, and the caller takes the two-launch path.
@@ -379,8 +359,12 @@ class TritonLoRABackend:
         once, so no spinning expand program ever waits for a shrink program that has no room to
         start. The first call of a shape compiles the kernel for the plan, reads its registers and
         shared memory, and re-plans (at most twice) with the programs per SM that really fit; the
-        outcome is cached per shape.
+        outcome is cached per shape. With `fused_split_launch` the plan runs as two launches
+        (`_launch_split`), which need no co-residency.
         """
+        dev, tabs, tiling, step = call.dev, call.tabs, call.tiling, call.step
+        r_chunks, slice_mask, cols = call.r_chunks, call.slice_mask, call.cols
+        tiles = call.n_segs * call.row_tiles
         n_slices = len(slice_offsets) - 1
         d_in = x.shape[1]
         widths = tuple(
@@ -438,7 +422,7 @@ class TritonLoRABackend:
 
         if tiling.fused_split_launch:
             self._plans[key] = plan
-            self._launch_split(y, x, meta, dev, tabs, tiling, step, r_chunks, slice_mask, plan, h, cols)
+            self._launch_split(y, x, meta, call, plan, h)
             return True
         kernel = self._k.lora_fused_kernel
         if first and cuda:
@@ -467,38 +451,31 @@ class TritonLoRABackend:
         y: torch.Tensor,
         x: torch.Tensor,
         meta: LoRABatchMetadata,
-        dev: LoRADeviceTable,
-        tabs: GroupTables,
-        tiling: LoRATiling,
-        step: _StepInfo,
-        r_chunks: int,
-        slice_mask: int,
+        call: _CallPlan,
         plan: FusedPlan,
         h: torch.Tensor,
-        cols: list[int],
     ) -> None:
         """The fused plan as two launches (`fused_split_launch`): no program waits on another, so
         nothing needs to be resident at once."""
-        n_slices = h.shape[1]  # h: [n_split, n_slices, rows, block_r]
-        row_tiles = _cdiv(step.max_seg_rows, tiling.block_m)
+        dev, tabs, tiling, step, cols = call.dev, call.tabs, call.tiling, call.step, call.cols
         pdl = {"launch_pdl": True} if tiling.pdl and x.device.type == "cuda" else {}
         use_pdl = 1 if pdl else 0
         common = dict(
-            N_SLICES=n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
+            N_SLICES=call.n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
             BLOCK_M=tiling.block_m, BLOCK_R=step.block_r, N_SPLIT=plan.split.n_split, USE_PDL=use_pdl,
             num_stages=tiling.fused_stages, **pdl,
         )  # fmt: skip
         expand_warps = tiling.split_expand_warps or tiling.fused_warps
         self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
-            dev.n_slots, x.shape[1], x.stride(0), meta.num_lora_rows, row_tiles,
-            SLICE_MASK=slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // r_chunks,
+            dev.n_slots, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
+            SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
         )  # fmt: skip
         ch = plan.chunks
         self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_offs, tabs.ranks,
-            tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows, row_tiles, *cols,
+            tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows, call.row_tiles, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n, N_SUB=plan.n_sub,
             num_warps=expand_warps, **common,
