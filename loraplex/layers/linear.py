@@ -10,8 +10,9 @@ low-rank product into exactly its own rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,8 @@ from torch import nn
 from loraplex.lora.backend import LoRABackend
 from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.weights import LoRASlotTable
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -86,21 +89,11 @@ class _LoRALinear(nn.Module):
         return y
 
     def _forward_overlapped(self, x: torch.Tensor, lora: LoRAStep) -> torch.Tensor:
-        """The base GEMM and the LoRA shrink concurrently, then the expand into y (see LoRAStep)."""
+        """The base GEMM and the LoRA shrink concurrently, then the expand into y (see LoRAStep).
+        The shrink's scratch is freed on the side stream, whose next use waits for the main stream
+        (at the next call), so the expand below has read it by then."""
         args = (lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
-        side = lora.side_stream
-        if side is None:
-            partial = lora.backend.shrink(x, *args)
-            y = F.linear(x, self.weight, self.bias)
-        else:
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)  # x is ready
-            with torch.cuda.stream(side):
-                # Its scratch is freed on the side stream, whose next use waits for the main stream
-                # (the wait above, at the next call), so the expand below has read it by then.
-                partial = lora.backend.shrink(x, *args)
-            y = F.linear(x, self.weight, self.bias)
-            main.wait_stream(side)
+        y, partial = self._gemm_beside(x, lora.side_stream, lambda: lora.backend.shrink(x, *args))
         if partial is not None:
             lora.backend.expand(y, partial)
         return y
@@ -110,21 +103,30 @@ class _LoRALinear(nn.Module):
     ) -> torch.Tensor:
         """The base GEMM, and beside it the whole LoRA op adding into `into` (see LoRAStep)."""
         args = (lora.meta, lora.table, self.layer, self.group, self.slice_offsets)
-        side = lora.side_stream
+
+        def lora_op() -> None:
+            if zero_into:
+                into.zero_()
+            lora.backend.apply(into, x, *args)
+
+        return self._gemm_beside(x, lora.side_stream, lora_op)[0]
+
+    def _gemm_beside(
+        self, x: torch.Tensor, side: torch.cuda.Stream | None, work: Callable[[], T]
+    ) -> tuple[torch.Tensor, T]:
+        """(the base GEMM's y, work()): `work` runs on `side` while the GEMM runs on the current
+        stream, joined after it, so whatever the current stream does next sees both. Without a side
+        stream, the same on one stream."""
         if side is None:
-            if zero_into:
-                into.zero_()
-            lora.backend.apply(into, x, *args)
-            return F.linear(x, self.weight, self.bias)
+            out = work()
+            return F.linear(x, self.weight, self.bias), out
         main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)  # x and `into` are ready
+        side.wait_stream(main)  # x and everything `work` reads are ready
         with torch.cuda.stream(side):
-            if zero_into:
-                into.zero_()
-            lora.backend.apply(into, x, *args)
+            out = work()
         y = F.linear(x, self.weight, self.bias)
-        main.wait_stream(side)  # whatever reads `into` next runs after the LoRA op
-        return y
+        main.wait_stream(side)
+        return y, out
 
     def load_slice(self, index: int, tensor: torch.Tensor, bias: bool = False) -> None:
         """Copy one logical projection (a fused slice) from a checkpoint tensor."""
