@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from loraplex.bench.kernel_cases import GROUPS, LLAMA3_8B, RANK_MIXES, TARGET_DECODE
+from loraplex.bench.kernel_cases import GROUPS, LLAMA3_8B, RANK_MIXES, TARGET_DECODE, slice_offsets
 from loraplex.bench.kernels import TILING_VARIANTS, build_table
 from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.ops_triton import TritonLoRABackend
@@ -33,11 +33,7 @@ def main() -> None:
     ys = {g: torch.randn(case.rows, sum(w), device=dev, dtype=bf16) for g, (_, w) in LLAMA3_8B.items()}
     for _ in range(4):
         for g in GROUPS:
-            widths = LLAMA3_8B[g][1]
-            offs = [0]
-            for w in widths:
-                offs.append(offs[-1] + w)
-            be.apply(ys[g], xs[g], meta, table, 0, g, offs)
+            be.apply(ys[g], xs[g], meta, table, 0, g, slice_offsets(LLAMA3_8B[g][1]))
     torch.cuda.synchronize()
     for g, n in be.calls.items():
         print(g, n)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from loraplex.bench.kernel_cases import GROUPS, LLAMA3_8B, KernelCase
+from loraplex.bench.kernel_cases import GROUPS, LLAMA3_8B, KernelCase, slice_offsets
 from loraplex.bench.timing import GpuTimer
 from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.ops_triton import TritonLoRABackend
@@ -27,13 +27,6 @@ from loraplex.lora.weights import LoRASlotTable
 
 DTYPE = torch.bfloat16
 MODES = ("base only", "in place", "split overlap", "side stream, delta")
-
-
-def _offsets(widths: tuple[int, ...]) -> tuple[int, ...]:
-    out = [0]
-    for w in widths:
-        out.append(out[-1] + w)
-    return tuple(out)
 
 
 def layer_modes(
@@ -49,7 +42,7 @@ def layer_modes(
     xs = {g: torch.randn(case.rows, d, device=device, dtype=DTYPE) for g, (d, _) in LLAMA3_8B.items()}
     ys = {g: torch.empty(case.rows, sum(w), device=device, dtype=DTYPE) for g, (_, w) in LLAMA3_8B.items()}
     deltas = {g: torch.zeros_like(y) for g, y in ys.items()}
-    offs = {g: _offsets(w) for g, (_, w) in LLAMA3_8B.items()}
+    offs = {g: slice_offsets(w) for g, (_, w) in LLAMA3_8B.items()}
     side = torch.cuda.Stream(device)
 
     def make(mode: str, be: TritonLoRABackend) -> Callable[[], None]:

@@ -23,6 +23,15 @@ LLAMA3_8B: dict[str, tuple[int, tuple[int, ...]]] = {
     "down": (14336, (4096,)),
 }
 
+
+def slice_offsets(widths: tuple[int, ...]) -> tuple[int, ...]:
+    """Column offsets of a group's slices: (0, w0, w0 + w1, ...)."""
+    out = [0]
+    for w in widths:
+        out.append(out[-1] + w)
+    return tuple(out)
+
+
 # rank label -> the ranks adapters cycle through (adapter i gets ranks[i % len(ranks)])
 RANK_MIXES: dict[str, tuple[int, ...]] = {
     "8": (8,),

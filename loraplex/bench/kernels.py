@@ -32,6 +32,7 @@ from loraplex.bench.kernel_cases import (
     case_flops,
     case_min_bytes,
     quick_cases,
+    slice_offsets,
 )
 from loraplex.bench.timing import GpuTimer, copy_bandwidth, matmul_rate
 from loraplex.lora.layout import GROUP_SLICES
@@ -97,24 +98,26 @@ TILING_CASES = (
 )
 
 
-def _offsets(widths: tuple[int, ...]) -> tuple[int, ...]:
-    out = [0]
-    for w in widths:
-        out.append(out[-1] + w)
-    return tuple(out)
-
-
-def build_table(ranks: tuple[int, ...], device: torch.device, n: int = MAX_ADAPTERS) -> LoRASlotTable:
-    """n adapters on layer 0, adapter i at rank ranks[i % len(ranks)], every target adapted."""
-    table = LoRASlotTable(1)
+def build_table(
+    ranks: tuple[int, ...],
+    device: torch.device,
+    n: int = MAX_ADAPTERS,
+    shapes: dict[str, tuple[int, tuple[int, ...]]] = LLAMA3_8B,
+    layers: int = 1,
+    dtype: torch.dtype = DTYPE,
+) -> LoRASlotTable:
+    """n adapters on `layers` layers of `shapes` (group -> (d_in, slice widths)), adapter i at rank
+    ranks[i % len(ranks)], every target adapted."""
+    table = LoRASlotTable(layers)
     for i in range(n):
         r = ranks[i % len(ranks)]
         pairs = {}
-        for group, (d_in, widths) in LLAMA3_8B.items():
-            for t, d_out in zip(GROUP_SLICES[group], widths, strict=True):
-                a = torch.randn(r, d_in, device=device, dtype=DTYPE) * d_in**-0.5
-                b = torch.randn(d_out, r, device=device, dtype=DTYPE) * r**-0.5
-                pairs[(0, t)] = LoRAPair(a, b, 2.0)
+        for layer in range(layers):
+            for group, (d_in, widths) in shapes.items():
+                for t, d_out in zip(GROUP_SLICES[group], widths, strict=True):
+                    a = torch.randn(r, d_in, device=device, dtype=dtype) * d_in**-0.5
+                    b = torch.randn(d_out, r, device=device, dtype=dtype) * r**-0.5
+                    pairs[(layer, t)] = LoRAPair(a, b, 2.0)
         table.set(i, AdapterWeights(pairs))
     return table
 
@@ -167,7 +170,7 @@ class KernelBench:
         be = self.backend_cls(tiling)
         be.prepare(meta, table, self.device)
         xs, ys = self._io(case.rows)
-        offs = {g: _offsets(w) for g, (_, w) in LLAMA3_8B.items()}
+        offs = {g: slice_offsets(w) for g, (_, w) in LLAMA3_8B.items()}
 
         def one(g: str) -> Callable[[], None]:
             return lambda: be.apply(ys[g], xs[g], meta, table, 0, g, offs[g])

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from loraplex.lora.layout import GROUP_SLICES
+from loraplex.bench.kernel_cases import slice_offsets
+from loraplex.bench.kernels import build_table
 from loraplex.lora.metadata import LoRABatchMetadata
-from loraplex.lora.weights import AdapterWeights, LoRAPair, LoRASlotTable
 
 SHAPES = {"qkv": (64, (64, 16, 16)), "o": (64, (64,)), "gate_up": (64, (128, 128)), "down": (128, (64,))}
 
@@ -31,25 +31,11 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def _table(layers: int, adapters: int, rank: int) -> LoRASlotTable:
-    table = LoRASlotTable(layers)
-    gen = torch.Generator().manual_seed(0)
-    for slot in range(adapters):
-        pairs = {}
-        for layer in range(layers):
-            for group, (d_in, widths) in SHAPES.items():
-                for target, d_out in zip(GROUP_SLICES[group], widths, strict=True):
-                    a = torch.randn(rank, d_in, generator=gen)
-                    pairs[(layer, target)] = LoRAPair(a, torch.randn(d_out, rank, generator=gen), 1.0)
-        table.set(slot, AdapterWeights(pairs))
-    return table
-
-
 def measure(layers: int = 8, rows: int = 64, adapters: int = 32, steps: int = 50) -> float:
     """Median µs of host time per `apply` call."""
     from loraplex.lora.ops_triton import TritonLoRABackend  # lazy: needs triton
 
-    table = _table(layers, adapters, 16)
+    table = build_table((16,), torch.device("cpu"), adapters, SHAPES, layers, torch.float32)
     backend = TritonLoRABackend()
     backend._sms[torch.device("cpu")] = 132  # an H200's SM count: the plans of the real shapes
     kernels = backend._k
@@ -69,12 +55,7 @@ def measure(layers: int = 8, rows: int = 64, adapters: int = 32, steps: int = 50
     slots = [i % adapters for i in range(rows)]
     xs = {g: torch.randn(rows, d) for g, (d, _) in SHAPES.items()}
     ys = {g: torch.randn(rows, sum(w)) for g, (_, w) in SHAPES.items()}
-    offsets = {}
-    for g, (_, widths) in SHAPES.items():
-        o = [0]
-        for w in widths:
-            o.append(o[-1] + w)
-        offsets[g] = tuple(o)
+    offsets = {g: slice_offsets(widths) for g, (_, widths) in SHAPES.items()}
     per_call = []
     for step in range(steps + 2):
         meta = LoRABatchMetadata.build(slots, table)  # a new step: fresh metadata
