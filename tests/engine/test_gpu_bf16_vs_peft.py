@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.reference import BASE, load_peft_mixture, mixed_batch_greedy
+from helpers.reference import BASE, load_peft_mixture, mixed_batch_greedy, padded_batch
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
@@ -31,12 +31,7 @@ def _teacher_forced_logprobs(
     model, seqs: list[list[int]], names: list[str], device: str
 ) -> list[torch.Tensor]:  # noqa: ANN001
     """log_softmax at every position of each full sequence, one right-padded mixed batch."""
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
+    ids, mask = padded_batch(seqs)
     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), adapter_names=names).logits
     lps = torch.log_softmax(logits.float(), dim=-1).cpu()
     return [lps[i, : len(s) - 1] for i, s in enumerate(seqs)]

@@ -33,6 +33,17 @@ def load_peft_mixture(base: transformers.PreTrainedModel, adapters: dict[str, Pa
 
 
 @torch.no_grad()
+def padded_batch(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of right-padded sequences."""
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
 def mixed_batch_greedy(
     model,  # noqa: ANN001 (PeftModel or plain transformers model)
     prompts: Sequence[Sequence[int]],
@@ -46,12 +57,7 @@ def mixed_batch_greedy(
     runs = [ReferenceRun(torch.empty(0), torch.empty(0), []) for _ in prompts]
     step_rows: list[list[torch.Tensor]] = [[] for _ in prompts]
     for step in range(steps + 1):
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
+        ids, mask = padded_batch(seqs)
         kwargs = {} if names is None else {"adapter_names": names}
         logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits.float()
         lps = torch.log_softmax(logits, dim=-1)
