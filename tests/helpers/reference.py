@@ -44,6 +44,7 @@ def padded_batch(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Ten
     return ids, mask
 
 
+@torch.no_grad()
 def mixed_batch_greedy(
     model,  # noqa: ANN001 (PeftModel or plain transformers model)
     prompts: Sequence[Sequence[int]],
