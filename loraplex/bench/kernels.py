@@ -44,8 +44,8 @@ DTYPE = torch.bfloat16
 MAX_ADAPTERS = 64
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
-    "decode": DECODE,  # one launch per group (fused, streamed expands) for rank tiles <= 16, PDL
-    # the 2026-11-29 default spelled out (one launch, 4 warps), to compare against if DECODE changes
+    "decode": DECODE,  # the fused plan as two PDL launches, 2 warps (rank tiles <= 16)
+    # the one-launch form with counters, 4 warps: the default before the split launch
     "decode fused w4": with_overrides(DECODE, fused_warps=4, fused_split_launch=False, split_expand_warps=0),
     "decode no-pdl": with_overrides(DECODE, pdl=False),
     "decode pdl-early": with_overrides(DECODE, pdl_early=True),
@@ -82,6 +82,18 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode w2 split-launch bn512": with_overrides(
         DECODE, fused_warps=2, fused_split_launch=True, fused_block_n=512, fused_tile_elems=8192
     ),
+    # the expand launch as a GEMV over each segment's rows (2 at a time), with 2 or 4 warps, and
+    # on top of it: 512-column tiles, any rank tile (mixed ranks on this path too)
+    "decode gemv2": with_overrides(DECODE, split_expand_gemv=2),
+    "decode gemv2 w4": with_overrides(DECODE, split_expand_gemv=2, split_expand_warps=4),
+    "decode gemv2 bn512": with_overrides(
+        DECODE, split_expand_gemv=2, fused_block_n=512, fused_tile_elems=8192
+    ),
+    "decode gemv2 any rank": with_overrides(DECODE, split_expand_gemv=2, fused_max_rank=64),
+    "decode any rank": with_overrides(DECODE, fused_max_rank=64),
+    # the shrink loads its first K step's A tiles before the PDL wait (alone, with the GEMV expand)
+    "decode preload": with_overrides(DECODE, split_shrink_preload=True),
+    "decode preload gemv2": with_overrides(DECODE, split_shrink_preload=True, split_expand_gemv=2),
     # split launch, each launch with its own warps (shrink / expand)
     "decode split-launch w4/2": with_overrides(DECODE, fused_split_launch=True, split_expand_warps=2),
     "decode split-launch w2/1 bn128": with_overrides(

@@ -62,6 +62,11 @@ class LoRATiling:
     # split launch only: warps of the expand launch (0: fused_warps), which needs far fewer
     # registers than the shrink
     split_expand_warps: int = 0
+    # split launch only: > 0 makes the expand launch a GEMV over each segment's rows, this many
+    # rows at a time (no 16-row dot tile, see `_gemv_expand_part`); 0 keeps the dot tile
+    split_expand_gemv: int = 0
+    # split launch only: the shrink loads its first K step's A tiles before the PDL wait
+    split_shrink_preload: bool = False
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call
@@ -76,7 +81,7 @@ class LoRATiling:
 # share of it) and up to 32 K chunks: its K loops are what the expand programs wait for.
 DECODE = LoRATiling(
     "decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1,
-    fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32,
+    fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32, fused_warps=2, fused_split_launch=True,
 )  # fmt: skip
 PREFILL = LoRATiling("prefill", 64, 64, 16, 128, 256, 4, 3, 4, 3, 4)
 TILINGS = {t.name: t for t in (DECODE, PREFILL)}

@@ -36,14 +36,18 @@ def _slice_entry(
 
 
 @triton.jit
-def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+def _a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask):
     # a: [r, d_in] row-major; the tile is [BLOCK_R, BLOCK_K], rows past the rank masked (no bytes)
-    at = tl.load(
+    return tl.load(
         a_ptr + offs_r[:, None] * d_in + offs_k[None, :],
         mask=(offs_r[:, None] < rank) & k_mask[None, :],
         other=0.0,
     )
-    return tl.dot(xt, tl.trans(at), acc)
+
+
+@triton.jit
+def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+    return tl.dot(xt, tl.trans(_a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask)), acc)
 
 
 @triton.jit
@@ -79,16 +83,28 @@ def _slice_entries(
 def _shrink_tile(
     x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm, num_rows,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr, K_CHUNK: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr, K_CHUNK: tl.constexpr, PRELOADED: tl.constexpr = False,
+    pa0=0, pa1=0, pa2=0,
 ):  # fmt: skip
-    """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice."""
+    """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice.
+    PRELOADED: pa0..pa2 are the first K step's A tiles, loaded by the caller (`_preload_a`)."""
     acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     x_rows = x_ptr + rows[:, None] * stride_xm
     k_lo = split * K_CHUNK
+    if PRELOADED:
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < d_in)[None, :], other=0.0)
+        if SLICE_MASK & 1:
+            acc0 = tl.dot(xt, tl.trans(pa0), acc0)
+        if N_SLICES > 1 and SLICE_MASK & 2:
+            acc1 = tl.dot(xt, tl.trans(pa1), acc1)
+        if N_SLICES > 2 and SLICE_MASK & 4:
+            acc2 = tl.dot(xt, tl.trans(pa2), acc2)
+    K_FIRST: tl.constexpr = BLOCK_K if PRELOADED else 0
     # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).
-    for kk in range(0, K_CHUNK, BLOCK_K):
+    for kk in range(K_FIRST, K_CHUNK, BLOCK_K):
         offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < d_in  # chunks never overlap (the loop stays inside K_CHUNK)
         # one X tile feeds every slice: X is read once per group, not once per slice
@@ -259,12 +275,32 @@ CNT_STRIDE: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
+def _preload_a(
+    a0, r0, a1, r1, a2, r2, d_in, offs_r, split, N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr,
+    BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """The first K step's A tiles of every adapted slice (weights: static for the step, so they
+    may be read before the PDL wait). An idle program's tiles are all masked: no bytes."""
+    offs_k = split * K_CHUNK + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < d_in
+    pa0 = _a_tile(a0, r0 if SLICE_MASK & 1 else 0, d_in, offs_r, offs_k, k_mask)
+    pa1 = pa0
+    pa2 = pa0
+    if N_SLICES > 1 and SLICE_MASK & 2:
+        pa1 = _a_tile(a1, r1, d_in, offs_r, offs_k, k_mask)
+    if N_SLICES > 2 and SLICE_MASK & 4:
+        pa2 = _a_tile(a2, r2, d_in, offs_r, offs_k, k_mask)
+    return pa0, pa1, pa2
+
+
+@triton.jit
 def _fused_shrink_part(
     pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab,
     n_slots, d_in, stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
+    PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -283,6 +319,11 @@ def _fused_shrink_part(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
+    pa0, pa1, pa2 = 0, 0, 0
+    if PRELOAD:
+        pa0, pa1, pa2 = _preload_a(
+            a0, r0, a1, r1, a2, r2, d_in, offs_r, split, N_SLICES, SLICE_MASK, BLOCK_K, K_CHUNK
+        )
     if USE_PDL:
         # Everything above reads only metadata and weights; X, h and the counters may still be in
         # use by the kernel this one overlaps, so they wait for it to finish.
@@ -291,7 +332,8 @@ def _fused_shrink_part(
     if (m0 < seg_hi) & (rc * BLOCK_RC < r_max):
         _shrink_tile(
             x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
-            num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK,
+            num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, PRELOAD, pa0, pa1,
+            pa2,
         )  # fmt: skip
     if COUNTERS:
         # Publish: every thread's h stores are ordered before the (single-thread) release increment.
@@ -453,19 +495,86 @@ def lora_shrink_pdl_kernel(
     stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
-    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
     `lora_expand_pdl_kernel` through the launch boundary instead of counters. With PDL the expand
-    launch may start at once: its programs load their B tiles while these run."""
+    launch may start at once: its programs load their B tiles while these run. PRELOAD: the first
+    K step's A tiles are loaded before the PDL wait, while the kernel before finishes."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     PART_PDL: tl.constexpr = 2 if USE_PDL else 0  # wait for the kernel before; trigger done above
     _fused_shrink_part(
         tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
         rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False,
+        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, PRELOAD,
     )  # fmt: skip
+
+
+@triton.jit
+def _gemv_expand_part(
+    e, y_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab, rank_tab, scale_tab,
+    n_slots, stride_ym, num_rows, col0, col1, col2, col3, ch1, ch2, n_chunks,
+    N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
+    GEMV_M: tl.constexpr, ROW_STEPS: tl.constexpr, TILE_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    N_SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Expand for decode-shaped segments (a few rows each) without `tl.dot`: one program takes one
+    segment's TILE_N columns of one slice, holds their B tile in registers and walks the
+    segment's rows GEMV_M at a time, each row y += (s h) B^T as multiply-adds.
+
+    A 16-row dot tile for a 2-row segment carries 8x the accumulator, Y and h registers it needs
+    (127-166 registers per thread measured), which capped the programs per SM; here the registers
+    go to the B tile, and B is read once per segment whatever its length."""
+    seg = e // n_chunks
+    c = e % n_chunks
+    i = (c >= ch1).to(tl.int32) + (c >= ch2).to(tl.int32)
+    chunk = c - tl.where(i == 0, 0, tl.where(i == 1, ch1, ch2))
+    seg_lo = tl.load(seg_offsets_ptr + seg)
+    seg_hi = tl.load(seg_offsets_ptr + seg + 1)
+    slot = tl.load(seg_slots_ptr + seg)
+    b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
+    scale = tl.load(scale_tab + i * n_slots + slot)
+    col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
+    col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, col3))
+    if COLS_ALIGNED:
+        col_lo = tl.multiple_of(col_lo, 8)
+        col_hi = tl.multiple_of(col_hi, 8)
+    offs_n = chunk * TILE_N + tl.arange(0, TILE_N)
+    n_mask = offs_n < col_hi - col_lo
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    # B does not depend on the shrink: it is in flight while the shrink programs run.
+    bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
+                 other=0.0)  # fmt: skip
+    offs_s = tl.arange(0, SPLIT_P2)
+    split_stride = (N_SLICES * num_rows).to(tl.int64) * BLOCK_R  # h: [N_SPLIT, N_SLICES, R, BLOCK_R]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # y and h belong to the kernel before until it is done
+        tl.extra.cuda.gdc_launch_dependents()
+    scale_r = tl.where(r_mask, scale, 0.0)
+    # ROW_STEPS * GEMV_M covers the step's longest segment (a compile-time bound: unrolled)
+    for step in tl.static_range(ROW_STEPS):
+        if (seg_lo + step * GEMV_M < seg_hi) & (rank > 0):
+            # GEMV_M rows at once: their loads are independent, so they are in flight together
+            for mm in tl.static_range(GEMV_M):
+                m = seg_lo + step * GEMV_M + mm
+                live = m < seg_hi
+                row = tl.load(row_perm_ptr + m, mask=live, other=0)
+                # all K-split partials of this row in one [SPLIT_P2, BLOCK_R] tile spread over the
+                # threads, summed across them: a few registers, not N_SPLIT vectors in flight
+                h_row = ((i * num_rows + m) * BLOCK_R + offs_r)[None, :]
+                hp = tl.load(
+                    h_ptr + offs_s[:, None] * split_stride + h_row,
+                    mask=(offs_s < N_SPLIT)[:, None] & (live & r_mask)[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )  # fmt: skip
+                h = tl.sum(hp, axis=0)
+                y_row = y_ptr + row * stride_ym + col_lo + offs_n
+                yt = tl.load(y_row, mask=live & n_mask, other=0.0)
+                acc = tl.sum((h * scale_r)[:, None] * bt.to(tl.float32), axis=0)
+                tl.store(y_row, (yt.to(tl.float32) + acc).to(yt.dtype), mask=live & n_mask)
 
 
 @triton.jit
@@ -474,16 +583,27 @@ def lora_expand_pdl_kernel(
     stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
-    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, GEMV_M: tl.constexpr, ROW_STEPS: tl.constexpr,
+    SPLIT_P2: tl.constexpr,
 ):  # fmt: skip
     """The fused kernel's expand programs as their own launch (grid: n_expand), after
-    `lora_shrink_pdl_kernel`: the PDL wait (or stream order) replaces the arrival counters."""
-    _fused_expand_part(
-        tl.program_id(0), y_ptr, w_base, h_ptr, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr,
-        b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2,
-        n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N, BLOCK_R, N_SUB, N_SPLIT, 1,
-        USE_PDL, False,
-    )  # fmt: skip
+    `lora_shrink_pdl_kernel`: the PDL wait (or stream order) replaces the arrival counters.
+    GEMV_M > 0: `_gemv_expand_part` (grid: segments x column chunks, row_tiles unused; ROW_STEPS
+    steps of GEMV_M rows cover the longest segment; SPLIT_P2: N_SPLIT rounded up to a power of two)."""
+    if GEMV_M > 0:
+        _gemv_expand_part(
+            tl.program_id(0), y_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab,
+            rank_tab, scale_tab, n_slots, stride_ym, num_rows, col0, col1, col2, col3, ch1, ch2, n_chunks,
+            N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, GEMV_M, ROW_STEPS, BLOCK_N * N_SUB, BLOCK_R,
+            N_SPLIT, SPLIT_P2, USE_PDL,
+        )  # fmt: skip
+    else:
+        _fused_expand_part(
+            tl.program_id(0), y_ptr, w_base, h_ptr, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr,
+            seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1,
+            col2, col3, ch1, ch2, n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N,
+            BLOCK_R, N_SUB, N_SPLIT, 1, USE_PDL, False,
+        )  # fmt: skip
 
 
 def shrink_grid(num_segments: int, row_tiles: int, n_split: int) -> tuple[int, int]:

@@ -97,12 +97,21 @@ def test_llama3_shapes_rows_1_to_8192(rows: int) -> None:
     _check(_backend(), slots, table, LLAMA3_8B_SHAPES)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_segments_of_one_row_many_adapters(fused: bool) -> None:
+@pytest.mark.parametrize("path", ["split launch", "one launch", "two launches"])
+def test_segments_of_one_row_many_adapters(path: str) -> None:
+    # the fused plan as two PDL launches, as one launch with arrival counters, and the plain
+    # shrink + expand pair: the decode default is one of the first two, the other stays covered
     table = make_table(random_ranks(64, (8, 16, 32, 64), seed=5), DTYPE, DEV, shapes=MID_SHAPES, seed=6)
-    be = _backend(_fused_any_rank() if fused else _two_launch())
+    tiling = {
+        "split launch": _fused_any_rank(fused_split_launch=True),
+        "one launch": _fused_any_rank(fused_split_launch=False),
+        "two launches": _two_launch(),
+    }[path]
+    be = _backend(tiling)
     _check(be, list(range(64)), table, MID_SHAPES)
-    assert any(p is not None for p in be._plans.values()) == fused
+    assert any(p is not None for p in be._plans.values()) == (path != "two launches")
+    be.check_health()  # raises if an expand program of the one-launch form gave up waiting
+    assert _counters_zero(be)
 
 
 def test_decode_shapes_fused_plans_fit_and_two_launch_agree() -> None:
@@ -140,6 +149,7 @@ def _kernel_launches(fn) -> int:  # noqa: ANN001
 
 def test_launch_counts_with_profiler() -> None:
     from loraplex.lora.ops_triton import TritonLoRABackend
+    from loraplex.lora.triton_config import DECODE
 
     table = make_table([16, 8], DTYPE, DEV, shapes=SMALL_SHAPES, seed=7, targets=[("q", "v", "up"), ("k",)])
     be = TritonLoRABackend()
@@ -152,8 +162,10 @@ def test_launch_counts_with_profiler() -> None:
             be.apply(ys[g], xs[g], meta, table, 0, g, slice_offsets(widths))
 
     run(meta)  # compile, build the device tables
-    # decode-shaped: qkv (three slices) and gate_up (only up adapted) one fused launch each; o, down: none
-    assert _kernel_launches(lambda: run(meta)) == 2
+    # decode-shaped: qkv (three slices) and gate_up (only up adapted) on the fused plan, as one
+    # launch each or as two (shrink, expand: the split-launch form); o, down: none
+    per_group = 2 if DECODE.fused_split_launch else 1
+    assert _kernel_launches(lambda: run(meta)) == 2 * per_group
     empty = LoRABatchMetadata.build([-1, -1, -1, -1, -1], table, DEV)
     assert _kernel_launches(lambda: run(empty)) == 0
     # prefill-shaped (a 40-row segment) and the two-launch path: at most two launches per group
@@ -197,12 +209,18 @@ def test_cuda_graph_replay_follows_new_inputs(pdl: bool) -> None:
 
 
 WHOLE_LAYER_VARIANTS = {
-    "pdl": dict(pdl=True),
-    "no pdl": dict(pdl=False),
-    "pdl, split launch": dict(pdl=True, fused_split_launch=True),
+    "one launch, pdl": dict(pdl=True, fused_split_launch=False, fused_warps=4),
+    "one launch, no pdl": dict(pdl=False, fused_split_launch=False, fused_warps=4),
+    "pdl, split launch, 4 warps": dict(pdl=True, fused_split_launch=True, fused_warps=4),
     "split launch": dict(pdl=False, fused_split_launch=True),
     "pdl, split launch, 2 warps": dict(pdl=True, fused_split_launch=True, fused_warps=2),
-    "pdl, split launch, 4/2 warps": dict(pdl=True, fused_split_launch=True, split_expand_warps=2),
+    "pdl, split launch, 4/2 warps": dict(
+        pdl=True, fused_split_launch=True, fused_warps=4, split_expand_warps=2
+    ),
+    "pdl, split launch, GEMV expand": dict(pdl=True, fused_split_launch=True, split_expand_gemv=2),
+    "pdl, split launch, A preloaded, GEMV expand": dict(
+        pdl=True, fused_split_launch=True, split_shrink_preload=True, split_expand_gemv=2
+    ),
 }
 
 

@@ -40,6 +40,7 @@ FUSED_DECODE = with_overrides(
     fused_per_sm=64,
     fused_max_rank=64,
     fused_expand_sub=0,
+    fused_split_launch=False,  # the one-launch form with counters; the split launch: HANDOFFS
 )
 CPU = torch.device("cpu")
 
@@ -233,6 +234,17 @@ HANDOFFS = {
     "split launch, one K step per chunk": dict(
         fused_split_launch=True, fused_min_k_steps=1, fused_max_split=64
     ),
+    # the expand launch as a GEMV over each segment's rows (2 or 4 at a time; 2 tiles per program)
+    "split launch, GEMV expand": dict(fused_split_launch=True, split_expand_gemv=2),
+    "split launch, GEMV expand 4 rows, 2 tiles": dict(
+        fused_split_launch=True, split_expand_gemv=4, fused_expand_sub=2
+    ),
+    "split launch, A preloaded, GEMV expand": dict(
+        fused_split_launch=True, split_shrink_preload=True, split_expand_gemv=2
+    ),
+    "split launch, A preloaded, one K step per chunk": dict(
+        fused_split_launch=True, split_shrink_preload=True, fused_min_k_steps=1, fused_max_split=64
+    ),
 }
 
 
@@ -243,7 +255,7 @@ def test_fused_handoff_variants(handoff: str) -> None:
     ranks = random_ranks(6, (8, 16, 32, 64), seed=31)
     table = make_table(ranks, DTYPE, "cpu", seed=32)
     slots = adapter_choices(14, len(ranks), "zipf", seed=33) + [-1] + [2] * 17
-    be = _backend(with_overrides(FUSED_DECODE, fused_expand_sub=1, **HANDOFFS[handoff]), sms=8)
+    be = _backend(with_overrides(FUSED_DECODE, **{"fused_expand_sub": 1, **HANDOFFS[handoff]}), sms=8)
     for seed in range(2):
         _check_all_groups(be, slots, table, seed=seed)
     assert len(_fused_plans(be)) == 4
@@ -314,12 +326,14 @@ def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> Lo
 
 
 STREAMED_DECODE = with_overrides(FUSED_DECODE, fused_expand_sub=1, fused_per_sm=2)
+SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
+GEMV_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, split_expand_gemv=2)
 
 
 @pytest.mark.parametrize(
     "tiling",
-    [FUSED_DECODE, STREAMED_DECODE, SPLIT_DECODE],
-    ids=["fused-all-resident", "fused-streamed", "two-launch"],
+    [FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, GEMV_DECODE, SPLIT_DECODE],
+    ids=["fused-all-resident", "fused-streamed", "split-launch", "split-launch-gemv", "two-launch"],
 )
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
     # adapter 1 adapts only q and up: the static launch covers every slice, rank 0 elsewhere
