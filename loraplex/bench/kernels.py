@@ -91,9 +91,12 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     ),
     "decode gemv2 any rank": with_overrides(DECODE, split_expand_gemv=2, fused_max_rank=64),
     "decode any rank": with_overrides(DECODE, fused_max_rank=64),
-    # the shrink loads its first K step's A tiles before the PDL wait (alone, with the GEMV expand)
-    "decode preload": with_overrides(DECODE, split_shrink_preload=True),
-    "decode preload gemv2": with_overrides(DECODE, split_shrink_preload=True, split_expand_gemv=2),
+    # mixed ranks on the split launch: 128-column B tiles at rank tile 64, 4-warp expands, a
+    # larger shrink budget (more K chunks)
+    "decode any rank te8192": with_overrides(DECODE, fused_max_rank=64, fused_tile_elems=8192),
+    "decode any rank w4e": with_overrides(DECODE, fused_max_rank=64, split_expand_warps=4),
+    "decode any rank budget8": with_overrides(DECODE, fused_max_rank=64, fused_per_sm=8),
+    "decode w4e": with_overrides(DECODE, split_expand_warps=4),
     # split launch, each launch with its own warps (shrink / expand)
     "decode split-launch w4/2": with_overrides(DECODE, fused_split_launch=True, split_expand_warps=2),
     "decode split-launch w2/1 bn128": with_overrides(

@@ -475,8 +475,7 @@ class TritonLoRABackend:
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             dev.n_slots, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
-            K_CHUNK=plan.split.k_chunk, PRELOAD=tiling.split_shrink_preload, num_warps=tiling.fused_warps,
-            **common,
+            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
         )  # fmt: skip
         ch = plan.chunks
         gemv = tiling.split_expand_gemv

@@ -65,8 +65,6 @@ class LoRATiling:
     # split launch only: > 0 makes the expand launch a GEMV over each segment's rows, this many
     # rows at a time (no 16-row dot tile, see `_gemv_expand_part`); 0 keeps the dot tile
     split_expand_gemv: int = 0
-    # split launch only: the shrink loads its first K step's A tiles before the PDL wait
-    split_shrink_preload: bool = False
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call

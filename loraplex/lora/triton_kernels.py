@@ -36,18 +36,14 @@ def _slice_entry(
 
 
 @triton.jit
-def _a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
     # a: [r, d_in] row-major; the tile is [BLOCK_R, BLOCK_K], rows past the rank masked (no bytes)
-    return tl.load(
+    at = tl.load(
         a_ptr + offs_r[:, None] * d_in + offs_k[None, :],
         mask=(offs_r[:, None] < rank) & k_mask[None, :],
         other=0.0,
     )
-
-
-@triton.jit
-def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
-    return tl.dot(xt, tl.trans(_a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask)), acc)
+    return tl.dot(xt, tl.trans(at), acc)
 
 
 @triton.jit
@@ -83,28 +79,16 @@ def _slice_entries(
 def _shrink_tile(
     x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm, num_rows,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr, K_CHUNK: tl.constexpr, PRELOADED: tl.constexpr = False,
-    pa0=0, pa1=0, pa2=0,
+    BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr, K_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice.
-    PRELOADED: pa0..pa2 are the first K step's A tiles, loaded by the caller (`_preload_a`)."""
+    """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice."""
     acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     x_rows = x_ptr + rows[:, None] * stride_xm
     k_lo = split * K_CHUNK
-    if PRELOADED:
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < d_in)[None, :], other=0.0)
-        if SLICE_MASK & 1:
-            acc0 = tl.dot(xt, tl.trans(pa0), acc0)
-        if N_SLICES > 1 and SLICE_MASK & 2:
-            acc1 = tl.dot(xt, tl.trans(pa1), acc1)
-        if N_SLICES > 2 and SLICE_MASK & 4:
-            acc2 = tl.dot(xt, tl.trans(pa2), acc2)
-    K_FIRST: tl.constexpr = BLOCK_K if PRELOADED else 0
     # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).
-    for kk in range(K_FIRST, K_CHUNK, BLOCK_K):
+    for kk in range(0, K_CHUNK, BLOCK_K):
         offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < d_in  # chunks never overlap (the loop stays inside K_CHUNK)
         # one X tile feeds every slice: X is read once per group, not once per slice
@@ -275,32 +259,12 @@ CNT_STRIDE: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
-def _preload_a(
-    a0, r0, a1, r1, a2, r2, d_in, offs_r, split, N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr,
-    BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
-):  # fmt: skip
-    """The first K step's A tiles of every adapted slice (weights: static for the step, so they
-    may be read before the PDL wait). An idle program's tiles are all masked: no bytes."""
-    offs_k = split * K_CHUNK + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < d_in
-    pa0 = _a_tile(a0, r0 if SLICE_MASK & 1 else 0, d_in, offs_r, offs_k, k_mask)
-    pa1 = pa0
-    pa2 = pa0
-    if N_SLICES > 1 and SLICE_MASK & 2:
-        pa1 = _a_tile(a1, r1, d_in, offs_r, offs_k, k_mask)
-    if N_SLICES > 2 and SLICE_MASK & 4:
-        pa2 = _a_tile(a2, r2, d_in, offs_r, offs_k, k_mask)
-    return pa0, pa1, pa2
-
-
-@triton.jit
 def _fused_shrink_part(
     pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab,
     n_slots, d_in, stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
-    PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -319,11 +283,6 @@ def _fused_shrink_part(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
-    pa0, pa1, pa2 = 0, 0, 0
-    if PRELOAD:
-        pa0, pa1, pa2 = _preload_a(
-            a0, r0, a1, r1, a2, r2, d_in, offs_r, split, N_SLICES, SLICE_MASK, BLOCK_K, K_CHUNK
-        )
     if USE_PDL:
         # Everything above reads only metadata and weights; X, h and the counters may still be in
         # use by the kernel this one overlaps, so they wait for it to finish.
@@ -332,8 +291,7 @@ def _fused_shrink_part(
     if (m0 < seg_hi) & (rc * BLOCK_RC < r_max):
         _shrink_tile(
             x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
-            num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, PRELOAD, pa0, pa1,
-            pa2,
+            num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK,
         )  # fmt: skip
     if COUNTERS:
         # Publish: every thread's h stores are ordered before the (single-thread) release increment.
@@ -495,19 +453,18 @@ def lora_shrink_pdl_kernel(
     stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
-    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
     `lora_expand_pdl_kernel` through the launch boundary instead of counters. With PDL the expand
-    launch may start at once: its programs load their B tiles while these run. PRELOAD: the first
-    K step's A tiles are loaded before the PDL wait, while the kernel before finishes."""
+    launch may start at once: its programs load their B tiles while these run."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     PART_PDL: tl.constexpr = 2 if USE_PDL else 0  # wait for the kernel before; trigger done above
     _fused_shrink_part(
         tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
         rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, PRELOAD,
+        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False,
     )  # fmt: skip
 
 

@@ -35,7 +35,7 @@ def kernels() -> dict[str, tuple]:
     for pdl in (0, 1):
         out[f"shrink_pdl{pdl}"] = (
             tk.lora_shrink_pdl_kernel,
-            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, PRELOAD=bool(pdl)),
+            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl),
             2,
             3,
         )

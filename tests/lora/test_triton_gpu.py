@@ -218,9 +218,6 @@ WHOLE_LAYER_VARIANTS = {
         pdl=True, fused_split_launch=True, fused_warps=4, split_expand_warps=2
     ),
     "pdl, split launch, GEMV expand": dict(pdl=True, fused_split_launch=True, split_expand_gemv=2),
-    "pdl, split launch, A preloaded, GEMV expand": dict(
-        pdl=True, fused_split_launch=True, split_shrink_preload=True, split_expand_gemv=2
-    ),
 }
 
 

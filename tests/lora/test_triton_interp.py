@@ -239,12 +239,6 @@ HANDOFFS = {
     "split launch, GEMV expand 4 rows, 2 tiles": dict(
         fused_split_launch=True, split_expand_gemv=4, fused_expand_sub=2
     ),
-    "split launch, A preloaded, GEMV expand": dict(
-        fused_split_launch=True, split_shrink_preload=True, split_expand_gemv=2
-    ),
-    "split launch, A preloaded, one K step per chunk": dict(
-        fused_split_launch=True, split_shrink_preload=True, fused_min_k_steps=1, fused_max_split=64
-    ),
 }
 
 
