@@ -46,7 +46,19 @@ MAX_ADAPTERS = 64
 TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode": DECODE,  # the fused plan as two PDL launches, 2 warps (rank tiles <= 16)
     # the one-launch form with counters, 4 warps: the default before the split launch
-    "decode fused w4": with_overrides(DECODE, fused_warps=4, fused_split_launch=False, split_expand_warps=0),
+    "decode fused w4": with_overrides(
+        DECODE,
+        fused_warps=4,
+        fused_split_launch=False,
+        split_expand_warps=0,
+        fused_max_rank=16,
+        fused_tile_elems=4096,
+    ),
+    # the split launch as first made the default: 2-warp expands, 64-column B tiles at rank
+    # tile 64, mixed-rank steps (rank tile > 16) on the two-launch path
+    "decode split w2 r16": with_overrides(
+        DECODE, split_expand_warps=0, fused_max_rank=16, fused_tile_elems=4096
+    ),
     "decode no-pdl": with_overrides(DECODE, pdl=False),
     "decode pdl-early": with_overrides(DECODE, pdl_early=True),
     "decode stages=4": with_overrides(DECODE, fused_stages=4),
@@ -97,6 +109,13 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode any rank w4e": with_overrides(DECODE, fused_max_rank=64, split_expand_warps=4),
     "decode any rank budget8": with_overrides(DECODE, fused_max_rank=64, fused_per_sm=8),
     "decode w4e": with_overrides(DECODE, split_expand_warps=4),
+    "decode any rank te8192 w4e": with_overrides(
+        DECODE, fused_max_rank=64, fused_tile_elems=8192, split_expand_warps=4
+    ),
+    "decode any rank te16384 w4e": with_overrides(
+        DECODE, fused_max_rank=64, fused_tile_elems=16384, split_expand_warps=4
+    ),
+    "decode any rank te16384": with_overrides(DECODE, fused_max_rank=64, fused_tile_elems=16384),
     # split launch, each launch with its own warps (shrink / expand)
     "decode split-launch w4/2": with_overrides(DECODE, fused_split_launch=True, split_expand_warps=2),
     "decode split-launch w2/1 bn128": with_overrides(

@@ -75,11 +75,14 @@ class LoRATiling:
         return h
 
 
-# The decode shrink takes the whole grid budget (its expand programs are streamed, so they need no
-# share of it) and up to 32 K chunks: its K loops are what the expand programs wait for.
+# The decode default (measured on an H200, docs/kernels.md): the fused plan as two PDL launches
+# (shrink with 2 warps, expand with 4), for every rank tile up to 64, expand tiles of 256 columns
+# at any rank tile. The shrink takes the whole grid budget (its expand programs are streamed, so
+# they need no share of it) and up to 32 K chunks: its K loops are what the expand programs wait for.
 DECODE = LoRATiling(
     "decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1,
     fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32, fused_warps=2, fused_split_launch=True,
+    split_expand_warps=4, fused_max_rank=64, fused_tile_elems=16384,
 )  # fmt: skip
 PREFILL = LoRATiling("prefill", 64, 64, 16, 128, 256, 4, 3, 4, 3, 4)
 TILINGS = {t.name: t for t in (DECODE, PREFILL)}
