@@ -6,7 +6,14 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from loraplex.config import CacheConfig, EngineConfig, GraphConfig, LoRAConfig, SchedulerConfig
+from loraplex.config import (
+    DEFAULT_LORA_OVERLAP,
+    CacheConfig,
+    EngineConfig,
+    GraphConfig,
+    LoRAConfig,
+    SchedulerConfig,
+)
 from loraplex.engine.engine import Engine
 from loraplex.types import AdapterRef, RequestOutput, SamplingParams
 
@@ -27,7 +34,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,
         cuda_graph_max_batch: int = 256,
-        lora_overlap: int = 0,
+        lora_overlap: int = DEFAULT_LORA_OVERLAP,
         progress: bool = False,
     ) -> None:
         config = EngineConfig(

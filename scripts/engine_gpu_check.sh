@@ -6,8 +6,8 @@
 # only a few files), they are also packed into $OUT/engine-gpu-check.tgz, and the short summary,
 # printed last, is copied to $OUT/summary.txt. Each part is time-boxed so a
 # hung kernel cannot eat the call (about 6-7 minutes on an H200 in all).
-# KERNEL_VARIANTS="decode w2,decode w2 split-launch" also sweeps those tiling variants (with the
-# GEMM + LoRA table for them); bench engine args such as --also "concurrent;decode w2" follow.
+# KERNEL_VARIANTS="decode fused w4,decode w2e" also sweeps those tiling variants (with the
+# GEMM + LoRA table for them); bench engine args such as --also "in-place;decode w2e" follow.
 #   usage: [SKIP_TESTS=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] [KERNEL_VARIANTS=...] \
 #          scripts/engine_gpu_check.sh [bench engine args]
 set -uo pipefail

@@ -85,13 +85,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lora-overlap",
         type=int,
         choices=(0, 1, 2),
-        help="LoRA ops against their base GEMMs: 0 after (default), 1 shrink beside, 2 whole op beside",
+        help="LoRA ops against their base GEMMs: 0 after, 1 shrink beside, 2 whole op beside (default)",
     )
     e.add_argument(
         "--also",
-        help="more LoRA configurations timed in every repeat, ';'-separated: 'overlap' or "
-        "'concurrent', a tiling variant, or one of each joined by '+' "
-        "(e.g. 'concurrent;decode w2 split-launch;concurrent+decode w2 split-launch')",
+        help="more LoRA configurations timed in every repeat, ';'-separated: a mode ('in-place', "
+        "'overlap', 'concurrent'), a tiling variant, or one of each joined by '+' "
+        "(e.g. 'in-place;decode fused w4;in-place+decode fused w4')",
     )
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)

@@ -31,6 +31,7 @@ import torch
 
 from loraplex.adapters.peft_import import LAYOUT_VERSION, MANIFEST_FORMAT, ImportedAdapter
 from loraplex.config import (
+    DEFAULT_LORA_OVERLAP,
     CacheConfig,
     EngineConfig,
     GraphConfig,
@@ -67,13 +68,14 @@ class EngineBenchArgs:
     seed: int = 0
     profile: bool = False  # also profile a few decode steps per mode (torch.profiler tables)
     graphs: bool = True  # decode steps as CUDA-graph replays (the engine's default on CUDA)
-    lora_overlap: int = 0  # GraphConfig.lora_overlap: 1 shrink beside the GEMM, 2 whole op beside it
+    # GraphConfig.lora_overlap: 0 in place, 1 shrink beside the GEMM, 2 whole op beside it (default)
+    lora_overlap: int = DEFAULT_LORA_OVERLAP
     lora_tiling: str | None = None  # a `bench kernels` tiling variant for the LoRA kernels (None: default)
     repeats: int = 3  # base-only / LoRA pairs, alternating; medians reported
     # More LoRA configurations timed in every repeat of the same run (same model, adapters and
-    # GPU state): "overlap" (LoRA shrink beside the base GEMM, lora_overlap 1), "concurrent" (the
-    # whole op beside it, lora_overlap 2), a tiling variant's name, or one of the first two and a
-    # variant joined by "+" ("concurrent+decode w2 split-launch")
+    # GPU state): a scheduling mode, "in-place" (lora_overlap 0), "overlap" (the shrink beside the
+    # base GEMM, 1) or "concurrent" (the whole op beside it, 2); a tiling variant's name (run with
+    # the main run's mode); or a mode and a variant joined by "+" ("in-place+decode fused w4")
     also: tuple[str, ...] = ()
 
     @classmethod
@@ -440,16 +442,17 @@ class _LoRAVariant:
         from loraplex.bench.kernels import TILING_VARIANTS
 
         parts = [p.strip() for p in spec.split("+")]
-        modes = {"overlap": 1, "concurrent": 2}
-        overlap = max((modes[p] for p in parts if p in modes), default=0)
+        modes = {"in-place": 0, "overlap": 1, "concurrent": 2}
+        named = [modes[p] for p in parts if p in modes]
+        overlap = named[0] if named else args.lora_overlap
         names = [p for p in parts if p not in modes]
-        if len(names) > 1 or (names and names[0] not in TILING_VARIANTS) or len(parts) - len(names) > 1:
+        if len(names) > 1 or (names and names[0] not in TILING_VARIANTS) or len(named) > 1:
             raise SystemExit(
-                f"--also {spec!r}: expected 'overlap' or 'concurrent', a tiling variant, or one of "
-                f"each joined by '+'; tiling variants: {', '.join(TILING_VARIANTS)}"
+                f"--also {spec!r}: expected a mode ('in-place', 'overlap' or 'concurrent'), a tiling "
+                f"variant, or one of each joined by '+'; tiling variants: {', '.join(TILING_VARIANTS)}"
             )
         runner = engine.runner.static_decode
-        if overlap or runner is not None:
+        if runner is not None or (named and named[0]):  # a named overlap mode runs the static path
             capture = runner.capture if runner is not None else False
             runner = StaticDecodeRunner.for_engine(engine, args.batch, capture=capture, lora_overlap=overlap)
         current = getattr(engine.lora_backend, "tiling", None)  # the torch backend (CPU) has none

@@ -44,8 +44,12 @@ DTYPE = torch.bfloat16
 MAX_ADAPTERS = 64
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
-    "decode": DECODE,  # the fused plan as two PDL launches, 2 warps (rank tiles <= 16)
-    # the one-launch form with counters, 4 warps: the default before the split launch
+    # today's default: the fused plan as two PDL launches (2-warp shrink, 4-warp expand) for rank
+    # tiles up to 64, 256-column expand tiles
+    "decode": DECODE,
+    # earlier defaults, to compare against: one launch with arrival counters and 4 warps (rank
+    # tile 16 only), and the split launch as first made the default (2-warp expands, 64-column
+    # tiles at rank tile 64, mixed ranks on the two-launch path)
     "decode fused w4": with_overrides(
         DECODE,
         fused_warps=4,
@@ -54,73 +58,24 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
         fused_max_rank=16,
         fused_tile_elems=4096,
     ),
-    # the split launch as first made the default: 2-warp expands, 64-column B tiles at rank
-    # tile 64, mixed-rank steps (rank tile > 16) on the two-launch path
     "decode split w2 r16": with_overrides(
         DECODE, split_expand_warps=0, fused_max_rank=16, fused_tile_elems=4096
     ),
+    # one change each, on top of the default
     "decode no-pdl": with_overrides(DECODE, pdl=False),
-    "decode pdl-early": with_overrides(DECODE, pdl_early=True),
     "decode stages=4": with_overrides(DECODE, fused_stages=4),
-    "decode fused any rank": with_overrides(DECODE, fused_max_rank=64),
     "decode two-launch": with_overrides(DECODE, fused=False),
-    # expand programs per call: all resident at once (the tiles per program grow to fit), or more
-    # tiles per streamed program
-    "decode all-resident": with_overrides(DECODE, fused_expand_sub=0),
-    "decode stream2": with_overrides(DECODE, fused_expand_sub=2),
-    "decode stream4": with_overrides(DECODE, fused_expand_sub=4),
-    # the shrink's K split as before (grid share by bytes, at most 16 chunks): gate_up's shrink then
-    # had 5 chunks of 7 K steps, and its expand programs spent a quarter of their time waiting
+    "decode w4": with_overrides(DECODE, fused_warps=4),  # 4-warp shrink programs
+    "decode w2e": with_overrides(DECODE, split_expand_warps=2),  # 2-warp expand programs
+    "decode bn512": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=32768),
+    "decode sub2": with_overrides(DECODE, fused_expand_sub=2),  # 2 tiles per expand program
+    "decode te4096": with_overrides(DECODE, fused_tile_elems=4096),  # 64-column tiles at rank tile 64
+    # the shrink's grid share by bytes, at most 16 K chunks (gate_up's shrink then had 5 chunks of
+    # 7 K steps, and its expand programs spent a quarter of their time waiting)
     "decode byte-share": with_overrides(DECODE, fused_min_share=0.2, fused_max_share=0.8, fused_max_split=16),
-    # shrink and expand as two PDL launches (no counters, no residency needed): as fast as one
-    "decode split-launch": with_overrides(DECODE, fused_split_launch=True),
-    # expand programs with wider B tiles, or 2 warps each (more programs resident)
-    "decode bn512": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=8192),
-    "decode w2": with_overrides(DECODE, fused_warps=2),
-    "decode w2 split-launch": with_overrides(DECODE, fused_warps=2, fused_split_launch=True),
-    # on top of it: K chunks of one step (up to 64 per row tile), with a larger grid budget (two
-    # launches need no co-residency), 2 tiles per expand program, or 512-column tiles
-    "decode w2 split-launch k1 budget16": with_overrides(
-        DECODE,
-        fused_warps=2,
-        fused_split_launch=True,
-        fused_min_k_steps=1,
-        fused_max_split=64,
-        fused_per_sm=16,
-    ),
-    "decode w2 split-launch sub2": with_overrides(
-        DECODE, fused_warps=2, fused_split_launch=True, fused_expand_sub=2
-    ),
-    "decode w2 split-launch bn512": with_overrides(
-        DECODE, fused_warps=2, fused_split_launch=True, fused_block_n=512, fused_tile_elems=8192
-    ),
-    # the expand launch as a GEMV over each segment's rows (2 at a time), with 2 or 4 warps, and
-    # on top of it: 512-column tiles, any rank tile (mixed ranks on this path too)
-    "decode gemv2": with_overrides(DECODE, split_expand_gemv=2),
-    "decode gemv2 w4": with_overrides(DECODE, split_expand_gemv=2, split_expand_warps=4),
-    "decode gemv2 bn512": with_overrides(
-        DECODE, split_expand_gemv=2, fused_block_n=512, fused_tile_elems=8192
-    ),
-    "decode gemv2 any rank": with_overrides(DECODE, split_expand_gemv=2, fused_max_rank=64),
-    "decode any rank": with_overrides(DECODE, fused_max_rank=64),
-    # mixed ranks on the split launch: 128-column B tiles at rank tile 64, 4-warp expands, a
-    # larger shrink budget (more K chunks)
-    "decode any rank te8192": with_overrides(DECODE, fused_max_rank=64, fused_tile_elems=8192),
-    "decode any rank w4e": with_overrides(DECODE, fused_max_rank=64, split_expand_warps=4),
-    "decode any rank budget8": with_overrides(DECODE, fused_max_rank=64, fused_per_sm=8),
-    "decode w4e": with_overrides(DECODE, split_expand_warps=4),
-    "decode any rank te8192 w4e": with_overrides(
-        DECODE, fused_max_rank=64, fused_tile_elems=8192, split_expand_warps=4
-    ),
-    "decode any rank te16384 w4e": with_overrides(
-        DECODE, fused_max_rank=64, fused_tile_elems=16384, split_expand_warps=4
-    ),
-    "decode any rank te16384": with_overrides(DECODE, fused_max_rank=64, fused_tile_elems=16384),
-    # split launch, each launch with its own warps (shrink / expand)
-    "decode split-launch w4/2": with_overrides(DECODE, fused_split_launch=True, split_expand_warps=2),
-    "decode split-launch w2/1 bn128": with_overrides(
-        DECODE, fused_warps=2, fused_split_launch=True, split_expand_warps=1, fused_block_n=128
-    ),
+    # K chunks of one step (up to 64 per row tile) with a 16-programs-per-SM budget, or a budget of 8
+    "decode k1 budget16": with_overrides(DECODE, fused_min_k_steps=1, fused_max_split=64, fused_per_sm=16),
+    "decode budget8": with_overrides(DECODE, fused_per_sm=8),
     "prefill": PREFILL,
 }
 TILING_CASES = (

@@ -91,11 +91,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _pow2_at_least(n: int) -> int:
-    """A compile-time bound rounded up to a power of two: few kernel variants across steps."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
 class TritonLoRABackend:
     """Segmented, rank-exact, slice-fused LoRA op on the GPU (or the Triton interpreter on CPU)."""
 
@@ -478,16 +473,11 @@ class TritonLoRABackend:
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
         )  # fmt: skip
         ch = plan.chunks
-        gemv = tiling.split_expand_gemv
-        # the GEMV form walks each segment's rows itself: one program per segment and column chunk
-        n_expand = call.n_segs * sum(ch) if gemv else plan.n_expand
-        self._k.lora_expand_pdl_kernel[(n_expand,)](
+        self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_offs, tabs.ranks,
             tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows, call.row_tiles, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n, N_SUB=plan.n_sub,
-            GEMV_M=gemv, ROW_STEPS=_pow2_at_least(_cdiv(step.max_seg_rows, gemv)) if gemv else 0,
-            SPLIT_P2=_pow2_at_least(plan.split.n_split),
             num_warps=expand_warps, **common,
         )  # fmt: skip
 

@@ -62,9 +62,6 @@ class LoRATiling:
     # split launch only: warps of the expand launch (0: fused_warps), which needs far fewer
     # registers than the shrink
     split_expand_warps: int = 0
-    # split launch only: > 0 makes the expand launch a GEMV over each segment's rows, this many
-    # rows at a time (no 16-row dot tile, see `_gemv_expand_part`); 0 keeps the dot tile
-    split_expand_gemv: int = 0
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call

@@ -469,98 +469,21 @@ def lora_shrink_pdl_kernel(
 
 
 @triton.jit
-def _gemv_expand_part(
-    e, y_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab, rank_tab, scale_tab,
-    n_slots, stride_ym, num_rows, col0, col1, col2, col3, ch1, ch2, n_chunks,
-    N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
-    GEMV_M: tl.constexpr, ROW_STEPS: tl.constexpr, TILE_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    N_SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Expand for decode-shaped segments (a few rows each) without `tl.dot`: one program takes one
-    segment's TILE_N columns of one slice, holds their B tile in registers and walks the
-    segment's rows GEMV_M at a time, each row y += (s h) B^T as multiply-adds.
-
-    A 16-row dot tile for a 2-row segment carries 8x the accumulator, Y and h registers it needs
-    (127-166 registers per thread measured), which capped the programs per SM; here the registers
-    go to the B tile, and B is read once per segment whatever its length."""
-    seg = e // n_chunks
-    c = e % n_chunks
-    i = (c >= ch1).to(tl.int32) + (c >= ch2).to(tl.int32)
-    chunk = c - tl.where(i == 0, 0, tl.where(i == 1, ch1, ch2))
-    seg_lo = tl.load(seg_offsets_ptr + seg)
-    seg_hi = tl.load(seg_offsets_ptr + seg + 1)
-    slot = tl.load(seg_slots_ptr + seg)
-    b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
-    scale = tl.load(scale_tab + i * n_slots + slot)
-    col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
-    col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, col3))
-    if COLS_ALIGNED:
-        col_lo = tl.multiple_of(col_lo, 8)
-        col_hi = tl.multiple_of(col_hi, 8)
-    offs_n = chunk * TILE_N + tl.arange(0, TILE_N)
-    n_mask = offs_n < col_hi - col_lo
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    # B does not depend on the shrink: it is in flight while the shrink programs run.
-    bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
-                 other=0.0)  # fmt: skip
-    offs_s = tl.arange(0, SPLIT_P2)
-    split_stride = (N_SLICES * num_rows).to(tl.int64) * BLOCK_R  # h: [N_SPLIT, N_SLICES, R, BLOCK_R]
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # y and h belong to the kernel before until it is done
-        tl.extra.cuda.gdc_launch_dependents()
-    scale_r = tl.where(r_mask, scale, 0.0)
-    # ROW_STEPS * GEMV_M covers the step's longest segment (a compile-time bound: unrolled)
-    for step in tl.static_range(ROW_STEPS):
-        if (seg_lo + step * GEMV_M < seg_hi) & (rank > 0):
-            # GEMV_M rows at once: their loads are independent, so they are in flight together
-            for mm in tl.static_range(GEMV_M):
-                m = seg_lo + step * GEMV_M + mm
-                live = m < seg_hi
-                row = tl.load(row_perm_ptr + m, mask=live, other=0)
-                # all K-split partials of this row in one [SPLIT_P2, BLOCK_R] tile spread over the
-                # threads, summed across them: a few registers, not N_SPLIT vectors in flight
-                h_row = ((i * num_rows + m) * BLOCK_R + offs_r)[None, :]
-                hp = tl.load(
-                    h_ptr + offs_s[:, None] * split_stride + h_row,
-                    mask=(offs_s < N_SPLIT)[:, None] & (live & r_mask)[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )  # fmt: skip
-                h = tl.sum(hp, axis=0)
-                y_row = y_ptr + row * stride_ym + col_lo + offs_n
-                yt = tl.load(y_row, mask=live & n_mask, other=0.0)
-                acc = tl.sum((h * scale_r)[:, None] * bt.to(tl.float32), axis=0)
-                tl.store(y_row, (yt.to(tl.float32) + acc).to(yt.dtype), mask=live & n_mask)
-
-
-@triton.jit
 def lora_expand_pdl_kernel(
     y_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots,
     stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
-    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, GEMV_M: tl.constexpr, ROW_STEPS: tl.constexpr,
-    SPLIT_P2: tl.constexpr,
+    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The fused kernel's expand programs as their own launch (grid: n_expand), after
-    `lora_shrink_pdl_kernel`: the PDL wait (or stream order) replaces the arrival counters.
-    GEMV_M > 0: `_gemv_expand_part` (grid: segments x column chunks, row_tiles unused; ROW_STEPS
-    steps of GEMV_M rows cover the longest segment; SPLIT_P2: N_SPLIT rounded up to a power of two)."""
-    if GEMV_M > 0:
-        _gemv_expand_part(
-            tl.program_id(0), y_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab,
-            rank_tab, scale_tab, n_slots, stride_ym, num_rows, col0, col1, col2, col3, ch1, ch2, n_chunks,
-            N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, GEMV_M, ROW_STEPS, BLOCK_N * N_SUB, BLOCK_R,
-            N_SPLIT, SPLIT_P2, USE_PDL,
-        )  # fmt: skip
-    else:
-        _fused_expand_part(
-            tl.program_id(0), y_ptr, w_base, h_ptr, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr,
-            seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1,
-            col2, col3, ch1, ch2, n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N,
-            BLOCK_R, N_SUB, N_SPLIT, 1, USE_PDL, False,
-        )  # fmt: skip
+    `lora_shrink_pdl_kernel`: the PDL wait (or stream order) replaces the arrival counters."""
+    _fused_expand_part(
+        tl.program_id(0), y_ptr, w_base, h_ptr, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr,
+        b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2,
+        n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N, BLOCK_R, N_SUB, N_SPLIT, 1,
+        USE_PDL, False,
+    )  # fmt: skip
 
 
 def shrink_grid(num_segments: int, row_tiles: int, n_split: int) -> tuple[int, int]:

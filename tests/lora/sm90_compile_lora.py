@@ -1,7 +1,7 @@
 """Compile the LoRA kernels (`lora/triton_kernels.py`) for sm_90 on a machine without a GPU
 (`helpers/sm90.py`; `test_lora_compile.py` runs this in a subprocess): the fused kernel with and
-without PDL, its two halves as separate launches (the expand half also as a GEMV), and the
-two-launch shrink/expand pair, at the decode target's tiling (3 slices, rank tile 16) and the prefill tiling.
+without PDL, its two halves as separate launches, and the two-launch shrink/expand pair, at the
+decode target's tiling (3 slices, rank tile 16) and the prefill tiling.
 
     python -m lora.sm90_compile_lora [DIR]   # from tests/; DIR: also write each kernel's PTX there
 """
@@ -39,13 +39,8 @@ def kernels() -> dict[str, tuple]:
             2,
             3,
         )
-        gemv_off = dict(GEMV_M=0, ROW_STEPS=0, SPLIT_P2=16)
-        consts = dict(COMMON, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, **gemv_off)
-        out[f"expand_pdl{pdl}"] = (tk.lora_expand_pdl_kernel, consts, 2, 3)
-        # the GEMV expand: segments of up to 2 rows, and a captured step's 16-row bound
-        for steps in (1, 8):
-            consts = dict(consts, GEMV_M=2, ROW_STEPS=steps)
-            out[f"expand_gemv_pdl{pdl}_steps{steps}"] = (tk.lora_expand_pdl_kernel, consts, 2, 3)
+        consts = dict(COMMON, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl)
+        out[f"expand_pdl{pdl}"] = (tk.lora_expand_pdl_kernel, consts, 4, 3)
     for name, block_m, block_k, split in (("decode", 16, 128, 16), ("prefill", 64, 64, 4)):
         consts = dict(
             COMMON, SLICE_MASK=7, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_RC=16, K_CHUNK=2 * block_k

@@ -217,7 +217,6 @@ WHOLE_LAYER_VARIANTS = {
     "pdl, split launch, 4/2 warps": dict(
         pdl=True, fused_split_launch=True, fused_warps=4, split_expand_warps=2
     ),
-    "pdl, split launch, GEMV expand": dict(pdl=True, fused_split_launch=True, split_expand_gemv=2),
 }
 
 

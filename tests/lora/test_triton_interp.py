@@ -234,11 +234,7 @@ HANDOFFS = {
     "split launch, one K step per chunk": dict(
         fused_split_launch=True, fused_min_k_steps=1, fused_max_split=64
     ),
-    # the expand launch as a GEMV over each segment's rows (2 or 4 at a time; 2 tiles per program)
-    "split launch, GEMV expand": dict(fused_split_launch=True, split_expand_gemv=2),
-    "split launch, GEMV expand 4 rows, 2 tiles": dict(
-        fused_split_launch=True, split_expand_gemv=4, fused_expand_sub=2
-    ),
+    "split launch, 2 tiles per expand program": dict(fused_split_launch=True, fused_expand_sub=2),
 }
 
 
@@ -321,13 +317,12 @@ def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> Lo
 
 STREAMED_DECODE = with_overrides(FUSED_DECODE, fused_expand_sub=1, fused_per_sm=2)
 SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
-GEMV_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, split_expand_gemv=2)
 
 
 @pytest.mark.parametrize(
     "tiling",
-    [FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, GEMV_DECODE, SPLIT_DECODE],
-    ids=["fused-all-resident", "fused-streamed", "split-launch", "split-launch-gemv", "two-launch"],
+    [FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, SPLIT_DECODE],
+    ids=["fused-all-resident", "fused-streamed", "split-launch", "two-launch"],
 )
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
     # adapter 1 adapts only q and up: the static launch covers every slice, rank 0 elsewhere
