@@ -1,8 +1,10 @@
 """Run the decode target layer's LoRA op (M=64, D=32, r=16, all four groups) a few times, for
-Nsight Compute, from the repository root (without an installed package, PYTHONPATH=. finds it):
-`PYTHONPATH=. ncu --kernel-name lora_fused_kernel --launch-skip 8 --launch-count 4 \
+Nsight Compute, from the repository root (without an installed package, PYTHONPATH=. finds it).
+The default tiling runs each group as two launches (shrink, expand), so one layer is 8 launches:
+`PYTHONPATH=. ncu --clock-control none --kernel-name regex:lora_ --launch-skip 16 --launch-count 8 \
 --section SpeedOfLight --section Occupancy --section WarpStateStats python scripts/ncu_lora_decode.py`
-(the first two layers compile and warm up; the profiled ones are the third layer's four calls).
+(the first two layers compile and warm up; the profiled ones are the third layer's calls; for a
+one-launch variant such as "decode fused w4", skip 8 and count 4).
 Per-instruction stall samples: add `--section SourceCounters -o rep`, then
 `ncu -i rep.ncu-rep --page source --csv --print-source sass`.
 
