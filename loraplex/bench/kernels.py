@@ -68,7 +68,8 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode w4": with_overrides(DECODE, fused_warps=4),  # 4-warp shrink programs
     "decode w2e": with_overrides(DECODE, split_expand_warps=2),  # 2-warp expand programs
     "decode bn512": with_overrides(DECODE, fused_block_n=512, fused_tile_elems=32768),
-    "decode sub2": with_overrides(DECODE, fused_expand_sub=2),  # 2 tiles per expand program
+    # 2 tiles per expand program, both B tiles loaded before the PDL wait
+    "decode sub2": with_overrides(DECODE, fused_expand_sub=2),
     "decode te4096": with_overrides(DECODE, fused_tile_elems=4096),  # 64-column tiles at rank tile 64
     # the shrink's grid share by bytes, at most 16 K chunks (gate_up's shrink then had 5 chunks of
     # 7 K steps, and its expand programs spent a quarter of their time waiting)
@@ -76,6 +77,9 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # K chunks of one step (up to 64 per row tile) with a 16-programs-per-SM budget, or a budget of 8
     "decode k1 budget16": with_overrides(DECODE, fused_min_k_steps=1, fused_max_split=64, fused_per_sm=16),
     "decode budget8": with_overrides(DECODE, fused_per_sm=8),
+    # per-step segment tables (one dependent load fewer per program), alone and with 4 stages
+    "decode seg-tables": with_overrides(DECODE, seg_tables=True),
+    "decode seg-tables stages=4": with_overrides(DECODE, seg_tables=True, fused_stages=4),
     "prefill": PREFILL,
 }
 TILING_CASES = (
@@ -158,6 +162,8 @@ class KernelBench:
         build_us = 1e6 * (time.perf_counter() - t0)
         be = self.backend_cls(tiling)
         be.prepare(meta, table, self.device)
+        # once per step in the engine (a gather for all layers), so outside the per-layer timing
+        be.begin_step(meta, table, self.device)
         xs, ys = self._io(case.rows)
         offs = {g: slice_offsets(w) for g, (_, w) in LLAMA3_8B.items()}
 

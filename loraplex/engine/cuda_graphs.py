@@ -286,7 +286,7 @@ class StaticDecodeRunner:
         meta = captured.lora_meta
         lora = None
         if meta is not None:
-            lora = LoRAStep(
+            lora = LoRAStep.begin(
                 meta,
                 self.lora_table,
                 self.lora_backend,

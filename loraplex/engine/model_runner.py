@@ -116,7 +116,9 @@ class ModelRunner:
             dev,
         )
         lora_meta = LoRABatchMetadata.build_runs(lora_runs, len(input_ids), self.lora_table, dev)
-        lora = LoRAStep(lora_meta, self.lora_table, self.lora_backend) if lora_meta.num_segments else None
+        lora = None
+        if lora_meta.num_segments:
+            lora = LoRAStep.begin(lora_meta, self.lora_table, self.lora_backend)
         ids = to_device(input_ids, torch.int64, dev)
         hidden = self.model(ids, attn, self.kv.k, self.kv.v, lora, hidden_capture)
         rows = to_device(sample_rows + prompt_rows, torch.int64, dev)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,15 @@ class LoRAStep:
     # `side_stream` beside the GEMM and adds into that tensor, which the caller adds to y later
     # (GraphConfig.lora_overlap = 2). Without a side stream: the same on one stream.
     concurrent: bool = False
+
+    @classmethod
+    def begin(
+        cls, meta: LoRABatchMetadata, table: LoRASlotTable, backend: LoRABackend, **options: Any
+    ) -> LoRAStep:
+        """The LoRA state of one forward, after the backend's per-step preparation (which a
+        captured step records into its graph)."""
+        backend.begin_step(meta, table, meta.row_perm.device)
+        return cls(meta, table, backend, **options)
 
 
 class _LoRALinear(nn.Module):

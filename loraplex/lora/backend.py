@@ -24,6 +24,11 @@ class LoRABackend(Protocol):
 
     def graph_epoch(self, table: LoRASlotTable, device: torch.device | str) -> tuple[int, int]: ...
 
+    # once per forward, before its first `apply` (inside the capture of a captured step)
+    def begin_step(
+        self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device | str
+    ) -> None: ...
+
     def apply(
         self,
         y: torch.Tensor,

@@ -101,6 +101,9 @@ class TorchLoRABackend:
     def check_health(self) -> None:
         """Nothing can go wrong asynchronously on this path."""
 
+    def begin_step(self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device | str) -> None:
+        """Nothing to prepare per step (the Triton backend gathers per-step tables here)."""
+
     def graph_epoch(self, table: LoRASlotTable, device: torch.device | str) -> tuple[int, int]:
         """No device tables: captured-shape steps read the slot table directly (`meta.live`),
         and padding segments may name any slot id (they are empty)."""

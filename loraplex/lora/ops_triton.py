@@ -21,6 +21,7 @@ import torch
 from loraplex.lora.layout import GROUP_SLICES
 from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.triton_config import (
+    DECODE,
     FusedPlan,
     LoRATiling,
     ShrinkSplit,
@@ -30,7 +31,7 @@ from loraplex.lora.triton_config import (
     plan_fused,
     split_k,
 )
-from loraplex.lora.triton_table import GroupTables, LoRADeviceTable, target_bit
+from loraplex.lora.triton_table import GroupTables, LoRADeviceTable, SegmentTables, target_bit
 from loraplex.lora.weights import LoRASlotTable
 
 
@@ -60,12 +61,14 @@ class _CallPlan:
     r_chunks: int
     cols: list[int]
     widest: int
+    # the split launch's per-step segment tables of this (layer, group) (`begin_step`), if any
+    seg_tabs: GroupTables | None = None
 
-    def with_layer(self, tabs: GroupTables, slice_mask: int) -> _CallPlan:
+    def with_layer(self, tabs: GroupTables, slice_mask: int, seg_tabs: GroupTables | None) -> _CallPlan:
         """This group's call for one layer: its tables and adapted slices, the rest shared."""
         return _CallPlan(
             self.dev, self.step, self.tiling, tabs, slice_mask, self.n_slices, self.n_segs,
-            self.row_tiles, self.split, self.r_chunks, self.cols, self.widest,
+            self.row_tiles, self.split, self.r_chunks, self.cols, self.widest, seg_tabs,
         )  # fmt: skip
 
 
@@ -119,6 +122,8 @@ class TritonLoRABackend:
         self._call_cache_of: tuple[_StepInfo, LoRATiling | None] | None = None
         self._checked: set[tuple] = set()
         self._checked_version = -1
+        # the step's segment tables (`begin_step`): (metadata, table version, tables)
+        self._seg: tuple[LoRABatchMetadata, int, SegmentTables] | None = None
 
     @property
     def total_calls(self) -> int:
@@ -155,6 +160,25 @@ class TritonLoRABackend:
         dev = self.device_table(device)
         dev.sync(table)
         self._step_info(meta, dev)
+
+    def begin_step(self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device | str) -> None:
+        """Called once per forward, before its first `apply` (inside a CUDA-graph capture when
+        the step is captured): with a decode tiling that reads per-step segment tables, gather
+        them now, for every layer at once. Otherwise nothing. Calls of a step that did not
+        begin this way read the slot tables, as always."""
+        self._seg = None
+        tiling = self.tiling or DECODE
+        if not (tiling.seg_tables and tiling.fused_split_launch) or meta.num_segments == 0:
+            return
+        dev = self.device_table(device)
+        dev.sync(table)
+        self._seg = (meta, dev.version, dev.segment_tables(meta.seg_slots))
+
+    def _segment_tables(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> SegmentTables | None:
+        seg = self._seg
+        if seg is None or seg[0] is not meta or seg[1] != dev.version:
+            return None
+        return seg[2]
 
     def graph_epoch(self, table: LoRASlotTable, device: torch.device | str) -> tuple[int, int]:
         """Bring the device tables up to date (in place where they fit) and return what a
@@ -277,7 +301,9 @@ class TritonLoRABackend:
         if shared is None:
             shared = self._group_call(x, meta, dev, step, slices, offsets)
             self._call_cache[(group, x.device, x.shape[1], offsets)] = shared
-        return shared.with_layer(dev.group(layer, group), slice_mask)
+        seg = self._segment_tables(meta, dev) if shared.tiling.seg_tables else None
+        seg_tabs = seg.group(layer, group) if seg is not None else None
+        return shared.with_layer(dev.group(layer, group), slice_mask, seg_tabs)
 
     def _group_call(
         self,
@@ -460,22 +486,26 @@ class TritonLoRABackend:
         dev, tabs, tiling, step, cols = call.dev, call.tabs, call.tiling, call.step, call.cols
         pdl = {"launch_pdl": True} if tiling.pdl and x.device.type == "cuda" else {}
         use_pdl = 1 if pdl else 0
+        # per-step segment tables (one column per segment) when the step began with them
+        n_cols = dev.n_slots
+        if call.seg_tabs is not None:
+            tabs, n_cols = call.seg_tabs, meta.num_segments
         common = dict(
             N_SLICES=call.n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
             BLOCK_M=tiling.block_m, BLOCK_R=step.block_r, N_SPLIT=plan.split.n_split, USE_PDL=use_pdl,
-            num_stages=tiling.fused_stages, **pdl,
+            SEG_TABLES=call.seg_tabs is not None, num_stages=tiling.fused_stages, **pdl,
         )  # fmt: skip
         expand_warps = tiling.split_expand_warps or tiling.fused_warps
         self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
-            dev.n_slots, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
+            n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
         )  # fmt: skip
         ch = plan.chunks
         self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_offs, tabs.ranks,
-            tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows, call.row_tiles, *cols,
+            tabs.scales, n_cols, y.stride(0), meta.num_lora_rows, call.row_tiles, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n, N_SUB=plan.n_sub,
             num_warps=expand_warps, **common,

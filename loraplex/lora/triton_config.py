@@ -62,6 +62,9 @@ class LoRATiling:
     # split launch only: warps of the expand launch (0: fused_warps), which needs far fewer
     # registers than the shrink
     split_expand_warps: int = 0
+    # split launch only: kernels read per-step segment tables (gathered by `begin_step`, one
+    # column per segment) instead of the slot tables, one dependent load fewer per program
+    seg_tables: bool = False
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call

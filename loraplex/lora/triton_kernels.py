@@ -259,12 +259,24 @@ CNT_STRIDE: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
+def _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES: tl.constexpr):
+    """The column of the weight tables this segment reads: its slot, or with per-step segment
+    tables (gathered once per step by `begin_step`, one column per segment) the segment itself,
+    which saves the dependent load of the slot before the table loads."""
+    if SEG_TABLES:
+        return seg
+    else:
+        return tl.load(seg_slots_ptr + seg)
+
+
+@triton.jit
 def _fused_shrink_part(
     pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab,
     n_slots, d_in, stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
+    SEG_TABLES: tl.constexpr = False,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -274,7 +286,7 @@ def _fused_shrink_part(
     seg = tile // row_tiles
     seg_lo = tl.load(seg_offsets_ptr + seg)
     seg_hi = tl.load(seg_offsets_ptr + seg + 1)
-    slot = tl.load(seg_slots_ptr + seg)
+    slot = _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES)
     a0, r0, a1, r1, a2, r2, r_max = _slice_entries(
         w_base, a_tab, rank_tab, n_slots, slot, N_SLICES, SLICE_MASK, RANK_ALIGNED, W_ALIGN
     )
@@ -308,6 +320,7 @@ def _fused_expand_part(
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
     N_SPLIT: tl.constexpr, ARRIVALS: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
+    SEG_TABLES: tl.constexpr = False,
 ):  # fmt: skip
     # e -> (row tile, column chunk); chunks of all adapted slices are numbered consecutively
     # (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2: [ch2, n_chunks)), so none is idle by design.
@@ -318,7 +331,7 @@ def _fused_expand_part(
     seg = tile // row_tiles
     seg_lo = tl.load(seg_offsets_ptr + seg)
     seg_hi = tl.load(seg_offsets_ptr + seg + 1)
-    slot = tl.load(seg_slots_ptr + seg)
+    slot = _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES)
     b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
     scale = tl.load(scale_tab + i * n_slots + slot)
     m0 = seg_lo + (tile % row_tiles) * BLOCK_M
@@ -339,11 +352,22 @@ def _fused_expand_part(
     n_mask = offs_n < width
     bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
                  other=0.0)  # fmt: skip
+    if N_SUB == 2:
+        # Two tiles per program: both B tiles before the wait and both Y tiles right after it, so
+        # the second tile costs bytes, not another round trip (a loop would load it after the
+        # first tile's store).
+        offs_n2 = offs_n + BLOCK_N
+        n_mask2 = offs_n2 < width
+        bt2 = tl.load(b_ptr + offs_n2[None, :] * rank + offs_r[:, None],
+                      mask=r_mask[:, None] & n_mask2[None, :], other=0.0)  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # y, h and the counters belong to the kernel before until it is done
     y_rows = y_ptr + rows[:, None] * stride_ym + col_lo
     y_mask = m_mask[:, None] & n_mask[None, :]
     yt = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
+    if N_SUB == 2:
+        y_mask2 = m_mask[:, None] & n_mask2[None, :]
+        yt2 = tl.load(y_rows + offs_n2[None, :], mask=y_mask2, other=0.0)
     cnt = cnt_ptr + tile * CNT_STRIDE
     if COUNTERS:
         # Wait until every shrink program of this row tile has arrived (they precede every expand
@@ -369,8 +393,13 @@ def _fused_expand_part(
     if (m0 < seg_hi) & (rank > 0):
         hs = (tl.where(r_mask[None, :], h, 0.0) * scale).to(y_ptr.dtype.element_ty)
         tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + tl.dot(hs, bt)).to(yt.dtype), mask=y_mask)
-        # The rest of the chunk: a compile-time trip count, so the compiler pipelines these loads.
-        for nn in range(BLOCK_N, BLOCK_N * N_SUB, BLOCK_N):
+        if N_SUB == 2:
+            tl.store(y_rows + offs_n2[None, :], (yt2.to(tl.float32) + tl.dot(hs, bt2)).to(yt2.dtype),
+                     mask=y_mask2)  # fmt: skip
+        # The rest of the chunk (N_SUB > 2): a compile-time trip count, so the compiler pipelines
+        # these loads.
+        FIRST_IN_LOOP: tl.constexpr = BLOCK_N * 2 if N_SUB == 2 else BLOCK_N
+        for nn in range(FIRST_IN_LOOP, BLOCK_N * N_SUB, BLOCK_N):
             offs_n = n_lo + nn + tl.arange(0, BLOCK_N)
             n_mask = offs_n < width
             y_mask = m_mask[:, None] & n_mask[None, :]
@@ -453,7 +482,7 @@ def lora_shrink_pdl_kernel(
     stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
-    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
 ):  # fmt: skip
     """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
     `lora_expand_pdl_kernel` through the launch boundary instead of counters. With PDL the expand
@@ -464,7 +493,7 @@ def lora_shrink_pdl_kernel(
     _fused_shrink_part(
         tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
         rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False,
+        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, SEG_TABLES,
     )  # fmt: skip
 
 
@@ -474,7 +503,7 @@ def lora_expand_pdl_kernel(
     stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
-    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
 ):  # fmt: skip
     """The fused kernel's expand programs as their own launch (grid: n_expand), after
     `lora_shrink_pdl_kernel`: the PDL wait (or stream order) replaces the arrival counters."""
@@ -482,7 +511,7 @@ def lora_expand_pdl_kernel(
         tl.program_id(0), y_ptr, w_base, h_ptr, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr,
         b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2,
         n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N, BLOCK_R, N_SUB, N_SPLIT, 1,
-        USE_PDL, False,
+        USE_PDL, False, SEG_TABLES,
     )  # fmt: skip
 
 

@@ -141,10 +141,38 @@ class LoRADeviceTable:
         return self.n_slots - 1
 
     def group(self, layer: int, group: str) -> GroupTables:
-        views = self._views.get((layer, group))
-        if views is None:
-            lo = layer * len(TARGETS) + _TARGET_INDEX[GROUP_SLICES[group][0]]
-            hi = lo + len(GROUP_SLICES[group])  # a group's slices are adjacent in TARGETS
-            views = GroupTables(self._a[lo:hi], self._b[lo:hi], self._r[lo:hi], self._s[lo:hi])
-            self._views[(layer, group)] = views
-        return views
+        return _group_views(self._views, (self._a, self._b, self._r, self._s), layer, group)
+
+    def segment_tables(self, seg_slots: torch.Tensor) -> SegmentTables:
+        """The tables with one column per segment (its slot's column), gathered on the device
+        (inside a CUDA-graph capture the gather is part of the graph, so replays read the live
+        mapping and weights): kernels then index them by segment, one dependent load fewer."""
+        gathered = tuple(t.index_select(1, seg_slots) for t in (self._a, self._b, self._r, self._s))
+        return SegmentTables(gathered, n_segments=int(seg_slots.shape[0]))
+
+
+class SegmentTables:
+    """`LoRADeviceTable`'s four tables for one step, one column per segment: [layers x 7, S]."""
+
+    def __init__(self, tables: tuple[torch.Tensor, ...], n_segments: int) -> None:
+        self.n_segments = n_segments
+        self._tables = tables
+        self._views: dict[tuple[int, str], GroupTables] = {}
+
+    def group(self, layer: int, group: str) -> GroupTables:
+        return _group_views(self._views, self._tables, layer, group)
+
+
+def _group_views(
+    cache: dict[tuple[int, str], GroupTables], tables: tuple[torch.Tensor, ...], layer: int, group: str
+) -> GroupTables:
+    """Row views of one (layer, group) of four [layers x 7, columns] tables, cached (slicing
+    costs microseconds per call)."""
+    views = cache.get((layer, group))
+    if views is None:
+        lo = layer * len(TARGETS) + _TARGET_INDEX[GROUP_SLICES[group][0]]
+        hi = lo + len(GROUP_SLICES[group])  # a group's slices are adjacent in TARGETS
+        a, b, r, s = (t[lo:hi] for t in tables)
+        views = GroupTables(a, b, r, s)
+        cache[(layer, group)] = views
+    return views

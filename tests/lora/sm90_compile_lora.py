@@ -35,12 +35,15 @@ def kernels() -> dict[str, tuple]:
     for pdl in (0, 1):
         out[f"shrink_pdl{pdl}"] = (
             tk.lora_shrink_pdl_kernel,
-            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl),
+            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl)),
             2,
             3,
         )
-        consts = dict(COMMON, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl)
+        consts = dict(COMMON, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl))
         out[f"expand_pdl{pdl}"] = (tk.lora_expand_pdl_kernel, consts, 4, 3)
+        # two tiles per program (both B tiles loaded before the wait), and a looped third
+        for sub in (2, 3):
+            out[f"expand_pdl{pdl}_sub{sub}"] = (tk.lora_expand_pdl_kernel, dict(consts, N_SUB=sub), 4, 3)
     for name, block_m, block_k, split in (("decode", 16, 128, 16), ("prefill", 64, 64, 4)):
         consts = dict(
             COMMON, SLICE_MASK=7, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_RC=16, K_CHUNK=2 * block_k

@@ -217,6 +217,10 @@ WHOLE_LAYER_VARIANTS = {
     "pdl, split launch, 4/2 warps": dict(
         pdl=True, fused_split_launch=True, fused_warps=4, split_expand_warps=2
     ),
+    "pdl, split launch, segment tables": dict(pdl=True, fused_split_launch=True, seg_tables=True),
+    "pdl, split launch, 2 tiles per expand program": dict(
+        pdl=True, fused_split_launch=True, fused_expand_sub=2
+    ),
 }
 
 
@@ -237,6 +241,7 @@ def test_cuda_graph_whole_layer_back_to_back(variant: str) -> None:
     ys = {g: torch.randn(24, offs[g][-1], device=DEV, dtype=DTYPE) for g in MID_SHAPES}
 
     def layer() -> None:
+        be.begin_step(meta, table, DEV)  # as the engine's forward does (captured with it)
         for g in MID_SHAPES:
             be.apply(ys[g], xs[g], meta, table, 0, g, offs[g])
 

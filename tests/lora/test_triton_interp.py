@@ -64,6 +64,9 @@ def _check_all_groups(
     groups: tuple[str, ...] = tuple(SMALL_SHAPES),
 ) -> None:
     meta = LoRABatchMetadata.build(slots, table)
+    be.begin_step(meta, table, CPU)  # as the engine does once per forward (a no-op for most tilings)
+    if be.tiling is not None and be.tiling.seg_tables:
+        assert be._segment_tables(meta, be.device_table(CPU)) is not None
     gen = torch.Generator().manual_seed(seed)
     base_rows = [i for i, s in enumerate(slots) if s == -1]
     for group in groups:
@@ -235,6 +238,8 @@ HANDOFFS = {
         fused_split_launch=True, fused_min_k_steps=1, fused_max_split=64
     ),
     "split launch, 2 tiles per expand program": dict(fused_split_launch=True, fused_expand_sub=2),
+    # per-step segment tables (`begin_step`): the kernels index tables by segment, not slot
+    "split launch, segment tables": dict(fused_split_launch=True, seg_tables=True),
 }
 
 
@@ -317,12 +322,13 @@ def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> Lo
 
 STREAMED_DECODE = with_overrides(FUSED_DECODE, fused_expand_sub=1, fused_per_sm=2)
 SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
+SEG_TABLES_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, seg_tables=True)
 
 
 @pytest.mark.parametrize(
     "tiling",
-    [FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, SPLIT_DECODE],
-    ids=["fused-all-resident", "fused-streamed", "split-launch", "two-launch"],
+    [FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, SEG_TABLES_DECODE, SPLIT_DECODE],
+    ids=["fused-all-resident", "fused-streamed", "split-launch", "split-launch-segment-tables", "two-launch"],
 )
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
     # adapter 1 adapts only q and up: the static launch covers every slice, rank 0 elsewhere
@@ -338,6 +344,8 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
     def check(group: str) -> None:
         d_in, widths = SMALL_SHAPES[group]
         offs = slice_offsets(widths)
+        if tiling.seg_tables:  # gathered per step from the live tables (a graph replays the gather)
+            assert be._segment_tables(meta, dev) is not None
         x = torch.randn(len(slots), d_in, generator=gen)
         y0 = torch.randn(len(slots), offs[-1], generator=gen)
         y = y0.clone()
@@ -348,6 +356,7 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
         assert row_errors(y[lora_rows], y_ref[lora_rows]).max() <= 1e-4, group
         assert torch.equal(y[[18, 21]], y0[[18, 21]]), group  # base rows untouched
 
+    be.begin_step(meta, table, CPU)  # each step (each replay) begins so
     for group in SMALL_SHAPES:
         check(group)
     # Change what is behind slot 2 and what slot 1 adapts; the same static metadata object (as a
@@ -356,6 +365,7 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
     table.set(1, make_table([8], DTYPE, "cpu", seed=11, targets=[("k", "down")]).weights(0))
     assert be.graph_epoch(table, CPU) == (epoch, null_slot)
     assert dev.group(0, "qkv").a_offs.data_ptr() == a_tab.data_ptr()
+    be.begin_step(meta, table, CPU)
     for group in SMALL_SHAPES:
         check(group)
     # A slot beyond the tables' capacity reallocates them: a new epoch tells graphs to recapture.
