@@ -77,6 +77,10 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # K chunks of one step (up to 64 per row tile) with a 16-programs-per-SM budget, or a budget of 8
     "decode k1 budget16": with_overrides(DECODE, fused_min_k_steps=1, fused_max_split=64, fused_per_sm=16),
     "decode budget8": with_overrides(DECODE, fused_per_sm=8),
+    # the shrink's A rows prefetched into L2 before the PDL wait (no registers held), alone and
+    # with 4 stages
+    "decode l2-prefetch": with_overrides(DECODE, split_prefetch_a=True),
+    "decode l2-prefetch stages=4": with_overrides(DECODE, split_prefetch_a=True, fused_stages=4),
     # one 256-column K step per chunk: all of a shrink program's loads issued at once
     "decode bk256": with_overrides(DECODE, block_k=256, fused_min_k_steps=1),
     # per-step segment tables (one dependent load fewer per program), alone and with 4 stages

@@ -496,11 +496,15 @@ class TritonLoRABackend:
             SEG_TABLES=call.seg_tabs is not None, num_stages=tiling.fused_stages, **pdl,
         )  # fmt: skip
         expand_warps = tiling.split_expand_warps or tiling.fused_warps
+        prefetch_lines = 0  # 128-byte lines of a K chunk, rounded up to a power of two; 0: off
+        if tiling.split_prefetch_a and x.device.type == "cuda":  # PTX: not in the interpreter
+            prefetch_lines = 1 << (_cdiv(plan.split.k_chunk * dev.base.element_size(), 128) - 1).bit_length()
         self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
-            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
+            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, PREFETCH_LINES=prefetch_lines,
+            **common,
         )  # fmt: skip
         ch = plan.chunks
         self._k.lora_expand_pdl_kernel[(plan.n_expand,)](

@@ -65,6 +65,9 @@ class LoRATiling:
     # split launch only: kernels read per-step segment tables (gathered by `begin_step`, one
     # column per segment) instead of the slot tables, one dependent load fewer per program
     seg_tables: bool = False
+    # split launch on CUDA only: the shrink prefetches its A rows into L2 before the PDL wait
+    # (`prefetch.global.L2`, no registers held)
+    split_prefetch_a: bool = False
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call

@@ -259,6 +259,25 @@ CNT_STRIDE: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """`prefetch.global.L2` at every address of ptrs (CUDA only; the interpreter has no PTX): the
+    line is on its way into L2 and nothing is held in registers. The asm must return something;
+    its dummy result is unused."""
+    tl.inline_asm_elementwise(
+        "mov.b32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_a_rows(a_ptr, rank, d_in, offs_r, k_line, k_ok):
+    # one prefetch per 128-byte line of the program's A rows over its K chunk; lines past the rank
+    # or the chunk repeat the first line of A (harmless)
+    ok = (offs_r[:, None] < rank) & k_ok[None, :]
+    _prefetch_l2(tl.where(ok, a_ptr + offs_r[:, None] * d_in + k_line[None, :], a_ptr))
+
+
+@triton.jit
 def _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES: tl.constexpr):
     """The column of the weight tables this segment reads: its slot, or with per-step segment
     tables (gathered once per step by `begin_step`, one column per segment) the segment itself,
@@ -276,7 +295,7 @@ def _fused_shrink_part(
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
-    SEG_TABLES: tl.constexpr = False,
+    SEG_TABLES: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -295,6 +314,17 @@ def _fused_shrink_part(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
+    if PREFETCH_LINES > 0:
+        # A is a weight (static for the step): start its lines toward L2 now, while the kernel
+        # before finishes, so the K loop after the wait reads L2 rather than DRAM.
+        k_line = split * K_CHUNK + tl.arange(0, PREFETCH_LINES) * (8 * W_ALIGN)
+        k_ok = (k_line < split * K_CHUNK + K_CHUNK) & (k_line < d_in)
+        if SLICE_MASK & 1:
+            _prefetch_a_rows(a0, r0, d_in, offs_r, k_line, k_ok)
+        if N_SLICES > 1 and SLICE_MASK & 2:
+            _prefetch_a_rows(a1, r1, d_in, offs_r, k_line, k_ok)
+        if N_SLICES > 2 and SLICE_MASK & 4:
+            _prefetch_a_rows(a2, r2, d_in, offs_r, k_line, k_ok)
     if USE_PDL:
         # Everything above reads only metadata and weights; X, h and the counters may still be in
         # use by the kernel this one overlaps, so they wait for it to finish.
@@ -483,6 +513,7 @@ def lora_shrink_pdl_kernel(
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):  # fmt: skip
     """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
     `lora_expand_pdl_kernel` through the launch boundary instead of counters. With PDL the expand
@@ -494,6 +525,7 @@ def lora_shrink_pdl_kernel(
         tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
         rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
         W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, SEG_TABLES,
+        PREFETCH_LINES,
     )  # fmt: skip
 
 

@@ -35,7 +35,15 @@ def kernels() -> dict[str, tuple]:
     for pdl in (0, 1):
         out[f"shrink_pdl{pdl}"] = (
             tk.lora_shrink_pdl_kernel,
-            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl)),
+            dict(
+                COMMON,
+                **SHRINK,
+                BLOCK_M=16,
+                N_SPLIT=16,
+                USE_PDL=pdl,
+                SEG_TABLES=bool(pdl),
+                PREFETCH_LINES=4 * pdl,  # with PDL: A's lines prefetched into L2 before the wait
+            ),  # fmt: skip
             2,
             3,
         )
