@@ -8,7 +8,8 @@
 # hung kernel cannot eat the call (about 6-7 minutes on an H200 in all).
 # KERNEL_VARIANTS="decode fused w4,decode w2e" also sweeps those tiling variants (with the
 # GEMM + LoRA table for them); bench engine args such as --also "in-place;decode w2e" follow.
-#   usage: [SKIP_TESTS=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] [KERNEL_VARIANTS=...] \
+# NCU="<tiling variant>" adds an Nsight Compute pass over the decode target layer (ncu-short.txt).
+#   usage: [SKIP_TESTS=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] [KERNEL_VARIANTS=...] [NCU=...] \
 #          scripts/engine_gpu_check.sh [bench engine args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,15 @@ if [ -z "${SKIP_KERNELS:-}" ]; then
     2>&1 | tee "$OUT/bench-kernels.log"
 fi
 touch "$OUT/bench-kernels.log"
+if [ -n "${NCU:-}" ]; then
+  # NCU="decode" (a tiling variant): Nsight Compute on the decode target layer's launches, each
+  # kernel alone (clocks left alone, as the device notes ask); a short per-kernel table
+  PYTHONPATH=. timeout "${NCU_TIMEOUT:-120}" ncu --clock-control none --kernel-name regex:lora_ \
+    --launch-skip 16 --launch-count 8 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    $PY scripts/ncu_lora_decode.py "$NCU" > "$OUT/ncu.txt" 2>&1
+  grep -E "lora_|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Grid Size" "$OUT/ncu.txt" \
+    > "$OUT/ncu-short.txt"
+fi
 t3=$(date +%s)
 {
   echo
@@ -44,6 +54,7 @@ t3=$(date +%s)
   grep -E '(floor|step|/ base|bandwidth)' "$OUT/bench-engine.log"
   echo "bench kernels ($((t3 - t2)) s):"
   grep -E '^(PASS|FAIL)|copy bandwidth|^  (tiling|gemm\+lora) ' "$OUT/bench-kernels.log"
+  if [ -s "$OUT/ncu-short.txt" ]; then echo "ncu ($NCU):"; cat "$OUT/ncu-short.txt"; fi
 } | tee "$OUT/summary.txt"
 if [ -n "$PACK_TO" ] && [ "$PACK_TO" != "$OUT" ]; then
   tar czf "$PACK_TO/engine-gpu-check.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$PACK_TO/summary.txt"

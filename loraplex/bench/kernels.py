@@ -81,6 +81,9 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # with 4 stages
     "decode l2-prefetch": with_overrides(DECODE, split_prefetch_a=True),
     "decode l2-prefetch stages=4": with_overrides(DECODE, split_prefetch_a=True, fused_stages=4),
+    "decode seg-tables l2-prefetch stages=4": with_overrides(
+        DECODE, seg_tables=True, split_prefetch_a=True, fused_stages=4
+    ),
     # one 256-column K step per chunk: all of a shrink program's loads issued at once
     "decode bk256": with_overrides(DECODE, block_k=256, fused_min_k_steps=1),
     # per-step segment tables (one dependent load fewer per program), alone and with 4 stages
