@@ -18,27 +18,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 from helpers.sm90 import can_compile_sm90, run_compile_script
+from helpers.triton_interp import needs_interp
 
 from loraplex.layers.attention import (
     AttentionMetadata,
     attention_backend,
     paged_attention,
     paged_attention_torch,
-)
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import: @triton.jit reads it
-
-try:
-    import triton  # noqa: F401  (after TRITON_INTERPRET is set above)
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-
-needs_interp = pytest.mark.skipif(
-    HAS_CUDA or not HAS_TRITON, reason="needs triton and no CUDA (the interpreter is process-wide)"
 )
 
 

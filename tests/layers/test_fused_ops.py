@@ -17,25 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.sm90 import can_compile_sm90, run_compile_script
+from helpers.triton_interp import needs_interp
 
 from loraplex.config import RopeConfig
 from loraplex.layers.norm import rms_norm_torch
 from loraplex.layers.rotary import RotaryEmbedding, rope_torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import: @triton.jit reads it
-
-try:
-    import triton  # noqa: F401  (after TRITON_INTERPRET is set above)
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-
-needs_interp = pytest.mark.skipif(
-    HAS_CUDA or not HAS_TRITON, reason="needs triton and no CUDA (the interpreter is process-wide)"
-)
 ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, original_max_position_embeddings=64)
 EPS = 1e-5
 ROWS = [0, 1, 5, 64]
