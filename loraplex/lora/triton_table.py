@@ -148,14 +148,13 @@ class LoRADeviceTable:
         (inside a CUDA-graph capture the gather is part of the graph, so replays read the live
         mapping and weights): kernels then index them by segment, one dependent load fewer."""
         gathered = tuple(t.index_select(1, seg_slots) for t in (self._a, self._b, self._r, self._s))
-        return SegmentTables(gathered, n_segments=int(seg_slots.shape[0]))
+        return SegmentTables(gathered)
 
 
 class SegmentTables:
     """`LoRADeviceTable`'s four tables for one step, one column per segment: [layers x 7, S]."""
 
-    def __init__(self, tables: tuple[torch.Tensor, ...], n_segments: int) -> None:
-        self.n_segments = n_segments
+    def __init__(self, tables: tuple[torch.Tensor, ...]) -> None:
         self._tables = tables
         self._views: dict[tuple[int, str], GroupTables] = {}
 

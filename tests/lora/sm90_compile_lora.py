@@ -62,10 +62,18 @@ def kernels() -> dict[str, tuple]:
     return out
 
 
+def check_prefetch_before_wait(ptx: str) -> None:
+    """The A prefetches are issued before the PDL wait: that is their whole point."""
+    prefetch, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
+    assert 0 <= prefetch < wait, "the shrink's L2 prefetches must precede griddepcontrol.wait"
+
+
 def main() -> None:
     dump = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     for name, (fn, consts, warps, stages) in kernels().items():
         ptx = compile_sm90(fn, consts, POINTERS, warps, num_stages=stages)
+        if consts.get("PREFETCH_LINES"):
+            check_prefetch_before_wait(ptx)
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             (dump / f"{name}.ptx").write_text(ptx)
