@@ -42,6 +42,8 @@ from loraplex.lora.weights import AdapterWeights, LoRAPair, LoRASlotTable
 
 DTYPE = torch.bfloat16
 MAX_ADAPTERS = 64
+# `run_layers`: layers captured in one graph, to time a layer without the graph's fixed cost
+LAYERS_PER_GRAPH = 4
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
     # today's default: the fused plan as two PDL launches (2-warp shrink, 4-warp expand) for rank
@@ -89,6 +91,12 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # per-step segment tables (one dependent load fewer per program), alone and with 4 stages
     "decode seg-tables": with_overrides(DECODE, seg_tables=True),
     "decode seg-tables stages=4": with_overrides(DECODE, seg_tables=True, fused_stages=4),
+    # the shrink programs start the expand's B toward L2 before their PDL wait
+    "decode b-prefetch": with_overrides(DECODE, split_prefetch_b=True),
+    "decode b-prefetch stages=4": with_overrides(DECODE, split_prefetch_b=True, fused_stages=4),
+    "decode b-prefetch seg-tables stages=4": with_overrides(
+        DECODE, split_prefetch_b=True, seg_tables=True, fused_stages=4
+    ),
     "prefill": PREFILL,
 }
 TILING_CASES = (
@@ -136,6 +144,7 @@ class KernelBench:
             g: torch.randn(sum(w), d, device=device, dtype=DTYPE) * d**-0.5 for g, (d, w) in LLAMA3_8B.items()
         }
         self._base_cache: dict[int, dict[str, dict[str, float]]] = {}
+        self._layer_tables: dict[tuple[str, int], LoRASlotTable] = {}
 
     def table(self, ranks: str) -> LoRASlotTable:
         if ranks not in self.tables:
@@ -162,6 +171,38 @@ class KernelBench:
             fns[LAYER] = lambda: [fns[g]() for g in GROUPS]
             self._base_cache[rows] = {g: self._time_pair(fn) for g, fn in fns.items()}
         return self._base_cache[rows]
+
+    def graph_floor_us(self) -> float:
+        """A CUDA-graph replay of one tiny kernel, timed like every case: the fixed cost (event,
+        graph launch, first kernel start) inside each graph time, which a layer inside a whole
+        captured step does not pay."""
+        one = torch.zeros(1, device=self.device)
+        return 1e3 * self.timer.graph_median_ms(lambda: one.add_(1))
+
+    def run_layers(self, case: KernelCase, tiling: LoRATiling | None, layers: int = LAYERS_PER_GRAPH) -> dict:
+        """The whole-layer op for `layers` consecutive layers in one graph, each with its own
+        weights (as in a captured decode step, where no layer finds its adapters in L2); time per
+        layer."""
+        key = (case.ranks, layers)
+        if key not in self._layer_tables:
+            self._layer_tables = {}
+            torch.cuda.empty_cache()
+            self._layer_tables[key] = build_table(RANK_MIXES[case.ranks], self.device, layers=layers)
+        table = self._layer_tables[key]
+        meta = LoRABatchMetadata.build(case.row_slots(), table, self.device)
+        be = self.backend_cls(tiling)
+        be.prepare(meta, table, self.device)
+        be.begin_step(meta, table, self.device)
+        xs, ys = self._io(case.rows)
+        offs = {g: slice_offsets(w) for g, (_, w) in LLAMA3_8B.items()}
+
+        def step() -> None:
+            for layer in range(layers):
+                for g in GROUPS:
+                    be.apply(ys[g], xs[g], meta, table, layer, g, offs[g])
+
+        us = 1e3 * self.timer.graph_median_ms(step) / layers
+        return {"graph_us": us, "min_bytes": case_min_bytes(case, LAYER), "layers": layers}
 
     def run_case(self, case: KernelCase, tiling: LoRATiling | None = None, groups: bool = True) -> dict:
         table = self.table(case.ranks)
@@ -259,6 +300,9 @@ def run(
         "tiling": [],
         "targets": [],
     }
+    report["graph_floor_us"] = bench.graph_floor_us()
+    print(f"graph replay of one tiny kernel {report['graph_floor_us']:.1f} us (the fixed cost in every "
+          "graph time)", flush=True)  # fmt: skip
     first = quick_cases()  # the target cases first, so a cut-short run still has them
     for case in first if quick else first + [c for c in all_cases() if c not in first]:
         try:
@@ -310,5 +354,23 @@ def run(
                 }
                 print(f"  tiling {case.label:26s} {name:24s} graph {row['graph_us']:8.1f} us", flush=True)
                 report["tiling"].append(row)
+        # the decode target again, per layer of a multi-layer graph (informational, not a target)
+        report["layers_per_graph"] = []
+        for name, tiling in TILING_VARIANTS.items():
+            if not name.startswith("decode") or (variants is not None and name not in variants):
+                continue
+            try:
+                r = bench.run_layers(TARGET_DECODE, tiling)
+            except Exception as e:
+                print(f"layers per graph, {name}: {type(e).__name__}: {e}", flush=True)
+                continue
+            r.update(
+                case=TARGET_DECODE.label,
+                tiling=name,
+                copy_frac=r["min_bytes"] / (r["graph_us"] * 1e-6) / copy_bw,
+            )
+            print(f"  layers x{r['layers']} {r['case']:22s} {name:24s} graph {r['graph_us']:8.1f} us "
+                  f"per layer {r['copy_frac']:.3f} of copy bw", flush=True)  # fmt: skip
+            report["layers_per_graph"].append(r)
     write_report(report, out_dir)
     return report

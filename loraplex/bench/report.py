@@ -75,6 +75,19 @@ def markdown(report: dict) -> str:
         ]
         for t in report["tiling"]:
             lines.append(f"| {t['case']} | {t['tiling']} | {t['eager_us']:.1f} | {t['graph_us']:.1f} |")
+    if report.get("layers_per_graph"):
+        lines += [
+            "",
+            "## Decode target per layer of a multi-layer graph (informational; µs)",
+            "",
+            f"A tiny kernel's graph replay, timed the same way: {report.get('graph_floor_us', 0.0):.1f} µs.",
+            "",
+            "| case | tiling | layers per graph | graph per layer | frac (graph) |",
+            "| --- | --- | ---: | ---: | ---: |",
+        ]
+        for t in report["layers_per_graph"]:
+            row = (t["case"], t["tiling"], t["layers"], f"{t['graph_us']:.1f}", f"{t['copy_frac']:.3f}")
+            lines.append("| " + " | ".join(map(str, row)) + " |")
     if report.get("gemm_lora"):
         lines += [
             "",

@@ -499,12 +499,17 @@ class TritonLoRABackend:
         prefetch_lines = 0  # 128-byte lines of a K chunk, rounded up to a power of two; 0: off
         if tiling.split_prefetch_a and x.device.type == "cuda":  # PTX: not in the interpreter
             prefetch_lines = 1 << (_cdiv(plan.split.k_chunk * dev.base.element_size(), 128) - 1).bit_length()
+        b_lines = 0  # the shrink's share of the expand's B to prefetch into L2 (lines); 0: off
+        if tiling.split_prefetch_b and x.device.type == "cuda":
+            lines = _cdiv(call.widest * step.block_r * dev.base.element_size(), 128)  # the widest slice's B
+            share = _cdiv(lines, plan.split.n_split * call.r_chunks)  # parts: a row tile's shrink programs
+            b_lines = 1 << (share - 1).bit_length()
         self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
-            x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
-            n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
+            x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.b_offs,
+            tabs.ranks, n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles, *cols,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, PREFETCH_LINES=prefetch_lines,
-            **common,
+            PREFETCH_B_LINES=b_lines, **common,
         )  # fmt: skip
         ch = plan.chunks
         self._k.lora_expand_pdl_kernel[(plan.n_expand,)](

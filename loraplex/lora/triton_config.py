@@ -68,6 +68,9 @@ class LoRATiling:
     # split launch on CUDA only: the shrink prefetches its A rows into L2 before the PDL wait
     # (`prefetch.global.L2`, no registers held)
     split_prefetch_a: bool = False
+    # split launch on CUDA only: the shrink programs start the expand's B toward L2 before their
+    # PDL wait (each program its share of its segment's B), so the expand reads B from L2
+    split_prefetch_b: bool = False
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call

@@ -270,6 +270,54 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _prefetch_l2_where(ptrs, ok):
+    """`prefetch.global.L2` at the addresses of ptrs where ok holds (a predicated prefetch, so
+    masked lanes issue nothing). CUDA only, like `_prefetch_l2`."""
+    tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p prefetch.global.L2 [$1];\n\t}",
+        "=r,l,r", [ptrs.to(tl.int64), ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_b_share(b_ptr, rank, width, part, n_parts, LINES: tl.constexpr, W_ALIGN: tl.constexpr):
+    # share `part` of n_parts of one slice's B ([width, rank] row-major: width * rank contiguous
+    # elements), one prefetch per 128-byte line
+    LINE: tl.constexpr = 8 * W_ALIGN
+    n_lines = (width * rank + LINE - 1) // LINE
+    per = (n_lines + n_parts - 1) // n_parts
+    idx = part * per + tl.arange(0, LINES)
+    _prefetch_l2_where(b_ptr + idx.to(tl.int64) * LINE, (idx < (part + 1) * per) & (idx < n_lines))
+
+
+@triton.jit
+def _shrink_prefetch_b(
+    pid, w_base, b_tab, rank_tab, seg_slots_ptr, n_slots, row_tiles, col0, col1, col2, col3,
+    N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
+    R_CHUNKS: tl.constexpr, N_SPLIT: tl.constexpr, SEG_TABLES: tl.constexpr, LINES: tl.constexpr,
+):  # fmt: skip
+    """The shrink programs of a segment's first row tile start its B (every adapted slice) on its
+    way into L2, each its share: B is a weight, so this may run before the PDL wait, and the
+    shrink leaves DRAM mostly idle (it streams only A), so the expand launch then reads B from L2."""
+    rc = pid % R_CHUNKS
+    split = (pid // R_CHUNKS) % N_SPLIT
+    tile = pid // (R_CHUNKS * N_SPLIT)
+    if tile % row_tiles == 0:
+        slot = _slot_or_segment(seg_slots_ptr, tile // row_tiles, SEG_TABLES)
+        b0, r0, b1, r1, b2, r2, _ = _slice_entries(
+            w_base, b_tab, rank_tab, n_slots, slot, N_SLICES, SLICE_MASK, RANK_ALIGNED, W_ALIGN
+        )
+        part = split * R_CHUNKS + rc
+        parts: tl.constexpr = N_SPLIT * R_CHUNKS
+        if SLICE_MASK & 1:
+            _prefetch_b_share(b0, r0, col1 - col0, part, parts, LINES, W_ALIGN)
+        if N_SLICES > 1 and SLICE_MASK & 2:
+            _prefetch_b_share(b1, r1, col2 - col1, part, parts, LINES, W_ALIGN)
+        if N_SLICES > 2 and SLICE_MASK & 4:
+            _prefetch_b_share(b2, r2, col3 - col2, part, parts, LINES, W_ALIGN)
+
+
+@triton.jit
 def _prefetch_a_rows(a_ptr, rank, d_in, offs_r, k_line, k_ok):
     # one prefetch per 128-byte line of the program's A rows over its K chunk; lines past the rank
     # or the chunk repeat the first line of A (harmless)
@@ -508,18 +556,25 @@ def lora_fused_kernel(
 
 @triton.jit
 def lora_shrink_pdl_kernel(
-    x_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab, n_slots, d_in,
-    stride_xm, num_rows, row_tiles,
+    x_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, b_tab, rank_tab, n_slots, d_in,
+    stride_xm, num_rows, row_tiles, col0, col1, col2, col3,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, PREFETCH_B_LINES: tl.constexpr = 0,
 ):  # fmt: skip
     """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
     `lora_expand_pdl_kernel` through the launch boundary instead of counters. With PDL the expand
-    launch may start at once: its programs load their B tiles while these run."""
+    launch may start at once: its programs load their B tiles while these run.
+    PREFETCH_B_LINES > 0 (CUDA only): also start the expand's B toward L2 (`_shrink_prefetch_b`)."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if PREFETCH_B_LINES > 0:
+        _shrink_prefetch_b(
+            tl.program_id(0), w_base, b_tab, rank_tab, seg_slots_ptr, n_slots, row_tiles, col0, col1, col2,
+            col3, N_SLICES, SLICE_MASK, RANK_ALIGNED, W_ALIGN, BLOCK_R // BLOCK_RC, N_SPLIT, SEG_TABLES,
+            PREFETCH_B_LINES,
+        )  # fmt: skip
     PART_PDL: tl.constexpr = 2 if USE_PDL else 0  # wait for the kernel before; trigger done above
     _fused_shrink_part(
         tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,

@@ -67,3 +67,21 @@ def test_targets_and_report_files(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "kernels.json").read_text())["targets"] == targets
     md = (tmp_path / "kernels.md").read_text()
     assert "| decode M=64 D=32 r=16 |" in md and "Targets" in md
+    assert "multi-layer graph" not in md  # no rows, no section
+
+
+def test_report_lists_layers_per_graph(tmp_path: Path) -> None:
+    row = {
+        "case": "decode M=64 D=32 r=16",
+        "tiling": "decode",
+        "layers": 4,
+        "graph_us": 47.5,
+        "copy_frac": 0.48,
+    }
+    report = {"device": "fake", "torch": "x", "triton": "y", "copy_bw_GBps": 4000.0, "matmul_TFLOPs": 750.0,
+              "reps": 1, "results": [], "tiling": [], "targets": [], "graph_floor_us": 4.2,
+              "layers_per_graph": [row]}  # fmt: skip
+    write_report(report, tmp_path)
+    md = (tmp_path / "kernels.md").read_text()
+    assert "| decode M=64 D=32 r=16 | decode | 4 | 47.5 | 0.480 |" in md
+    assert "timed the same way: 4.2 µs" in md

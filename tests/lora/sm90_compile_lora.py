@@ -43,6 +43,7 @@ def kernels() -> dict[str, tuple]:
                 USE_PDL=pdl,
                 SEG_TABLES=bool(pdl),
                 PREFETCH_LINES=4 * pdl,  # with PDL: A's lines prefetched into L2 before the wait
+                PREFETCH_B_LINES=256 * pdl,  # and the expand's B
             ),  # fmt: skip
             2,
             3,
@@ -63,8 +64,8 @@ def kernels() -> dict[str, tuple]:
 
 
 def check_prefetch_before_wait(ptx: str) -> None:
-    """The A prefetches are issued before the PDL wait: that is their whole point."""
-    prefetch, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
+    """The A and B prefetches are all issued before the PDL wait: that is their whole point."""
+    prefetch, wait = ptx.rfind("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
     assert 0 <= prefetch < wait, "the shrink's L2 prefetches must precede griddepcontrol.wait"
 
 
