@@ -97,6 +97,17 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode b-prefetch seg-tables stages=4": with_overrides(
         DECODE, split_prefetch_b=True, seg_tables=True, fused_stages=4
     ),
+    # the row-loop expand (16-row tiles spanning segments, a pipelined loop over their segments)
+    # for gate_up only (the widest group, whose one-segment expand takes several waves) or for
+    # every group, with 4 stages
+    "decode row-loop stages=4": with_overrides(DECODE, row_loop_min_width=8192, fused_stages=4),
+    "decode row-loop all stages=4": with_overrides(DECODE, row_loop_min_width=1, fused_stages=4),
+    "decode row-loop seg-tables stages=4": with_overrides(
+        DECODE, row_loop_min_width=8192, seg_tables=True, fused_stages=4
+    ),
+    "decode row-loop w8 stages=4": with_overrides(
+        DECODE, row_loop_min_width=8192, split_expand_warps=8, fused_stages=4
+    ),
     "prefill": PREFILL,
 }
 TILING_CASES = (

@@ -124,6 +124,7 @@ class TritonLoRABackend:
         self._checked_version = -1
         # the step's segment tables (`begin_step`): (metadata, table version, tables)
         self._seg: tuple[LoRABatchMetadata, int, SegmentTables] | None = None
+        self._row_seg: tuple[LoRABatchMetadata, torch.Tensor] | None = None  # `_row_segments`
 
     @property
     def total_calls(self) -> int:
@@ -166,13 +167,30 @@ class TritonLoRABackend:
         the step is captured): with a decode tiling that reads per-step segment tables, gather
         them now, for every layer at once. Otherwise nothing. Calls of a step that did not
         begin this way read the slot tables, as always."""
-        self._seg = None
+        self._seg = self._row_seg = None
         tiling = self.tiling or DECODE
-        if not (tiling.seg_tables and tiling.fused_split_launch) or meta.num_segments == 0:
+        if meta.num_segments == 0 or not tiling.fused_split_launch:
+            return
+        if tiling.row_loop_min_width:
+            self._row_segments(meta)
+        if not tiling.seg_tables:
             return
         dev = self.device_table(device)
         dev.sync(table)
         self._seg = (meta, dev.version, dev.segment_tables(meta.seg_slots))
+
+    def _row_segments(self, meta: LoRABatchMetadata) -> torch.Tensor:
+        """[num_lora_rows] int32: the segment of every row of the segment order (num_segments for
+        rows past the last segment), for the row-loop expand. Computed on the device once per
+        step (`begin_step`, or the first call that needs it), so a captured step recomputes it
+        from the live offsets on every replay."""
+        cached = self._row_seg
+        if cached is not None and cached[0] is meta:
+            return cached[1]
+        rows = torch.arange(meta.num_lora_rows, device=meta.seg_offsets.device)
+        row_seg = torch.searchsorted(meta.seg_offsets[1:], rows, right=True).to(torch.int32)
+        self._row_seg = (meta, row_seg)
+        return row_seg
 
     def _segment_tables(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> SegmentTables | None:
         seg = self._seg
@@ -511,6 +529,19 @@ class TritonLoRABackend:
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, PREFETCH_LINES=prefetch_lines,
             PREFETCH_B_LINES=b_lines, **common,
         )  # fmt: skip
+        widths = [cols[i + 1] - cols[i] if call.slice_mask >> i & 1 else 0 for i in range(call.n_slices)]
+        if tiling.row_loop_min_width and sum(widths) >= tiling.row_loop_min_width:
+            block_n = max(16, min(256, tiling.row_loop_tile_elems // step.block_r))
+            ch = [_cdiv(w, block_n) for w in widths] + [0] * (3 - len(widths))
+            num_rows = meta.num_lora_rows
+            self._k.lora_expand_rows_kernel[(_cdiv(num_rows, tiling.block_m) * sum(ch),)](
+                y, dev.base, h, meta.row_perm, self._row_segments(meta), meta.seg_slots, tabs.b_offs,
+                tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
+                ch[0], ch[0] + ch[1], sum(ch),
+                COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=x.device.type == "cuda",
+                num_warps=expand_warps, **common,
+            )  # fmt: skip
+            return
         ch = plan.chunks
         self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_offs, tabs.ranks,

@@ -71,6 +71,11 @@ class LoRATiling:
     # split launch on CUDA only: the shrink programs start the expand's B toward L2 before their
     # PDL wait (each program its share of its segment's B), so the expand reads B from L2
     split_prefetch_b: bool = False
+    # split launch only: a group whose adapted slices are at least this wide in all (0: never)
+    # takes the row-loop expand (`lora_expand_rows_kernel`: 16-row tiles spanning segments, a
+    # loop over their segments), with B tiles of at most row_loop_tile_elems elements
+    row_loop_min_width: int = 0
+    row_loop_tile_elems: int = 4096
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call

@@ -602,6 +602,96 @@ def lora_expand_pdl_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def lora_expand_rows_kernel(
+    y_ptr, w_base, h_ptr, row_perm_ptr, row_seg_ptr, seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots,
+    stride_ym, num_rows, n_segs, col0, col1, col2, col3, ch1, ch2, n_chunks,
+    N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr,
+):  # fmt: skip
+    """Expand over row tiles that span segments (grid: row tiles x column chunks of all adapted
+    slices), after `lora_shrink_pdl_kernel`: a program takes BLOCK_M consecutive rows of the
+    segment order, whichever segments they belong to, and loops over those segments, adding each
+    one's H B^T into the rows that are its own. Decode segments of one or two rows then fill the
+    row tile instead of 2 of its 16 rows, so a wide group (gate_up) needs a fraction of the
+    programs, and each streams several B tiles through the compiler's pipelined loop instead of
+    paying the whole latency chain for one. row_seg: [num_rows] int32, the segment of every row
+    (n_segs past the last segment's rows)."""
+    pid = tl.program_id(0)
+    tile = pid // n_chunks
+    c = pid % n_chunks
+    i = (c >= ch1).to(tl.int32) + (c >= ch2).to(tl.int32)
+    chunk = c - tl.where(i == 0, 0, tl.where(i == 1, ch1, ch2))
+    m0 = tile * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_seg = tl.load(row_seg_ptr + offs_m, mask=offs_m < num_rows, other=n_segs)
+    m_mask = row_seg < n_segs
+    rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
+    # row_seg never decreases: the tile's segments are those of its first and last rows and all
+    # between (s_lo = n_segs: no row of the tile is in a segment, and the loop below is empty)
+    s_lo = tl.load(row_seg_ptr + m0)
+    s_hi = tl.minimum(tl.load(row_seg_ptr + tl.minimum(m0 + BLOCK_M, num_rows) - 1), n_segs - 1)
+    col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
+    col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, col3))
+    if COLS_ALIGNED:
+        col_lo = tl.multiple_of(col_lo, 8)
+        col_hi = tl.multiple_of(col_hi, 8)
+    offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < col_hi - col_lo
+    offs_r = tl.arange(0, BLOCK_R)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # y and h belong to the shrink launch until it is done
+        tl.extra.cuda.gdc_launch_dependents()
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in tl.static_range(N_SPLIT):
+        base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
+        h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0,
+                     cache_modifier=".cg")  # fmt: skip
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FOR_LOOP:
+        # a counted loop, which the compiler pipelines: B tiles of later segments are in flight
+        # while earlier ones are multiplied (empty when no row of the tile is in a segment)
+        for seg in range(s_lo, s_hi + 1):
+            acc = _rows_segment_step(
+                acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab,
+                seg_slots_ptr, n_slots, i, y_ptr.dtype.element_ty, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+            )  # fmt: skip
+    else:
+        # the interpreter cannot take loaded values as range bounds; the same body in a while loop
+        seg = s_lo
+        while seg <= s_hi:
+            acc = _rows_segment_step(
+                acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab,
+                seg_slots_ptr, n_slots, i, y_ptr.dtype.element_ty, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+            )  # fmt: skip
+            seg += 1
+    # Y after the loop: its tile and 64-bit addresses held across the loop cost about a hundred
+    # registers per thread (measured in the compiled kernel), i.e. most of the occupancy
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + col_lo + offs_n[None, :]
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    yt = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+
+
+@triton.jit
+def _rows_segment_step(
+    acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots,
+    i, OUT_DTYPE: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, SEG_TABLES: tl.constexpr,
+):  # fmt: skip
+    """One segment's share of a row-loop expand tile: acc += (its rows of s * H) B^T."""
+    slot = _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES)
+    b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
+    scale = tl.load(scale_tab + i * n_slots + slot)
+    r_mask = offs_r < rank
+    bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
+                 other=0.0)  # fmt: skip
+    # only this segment's rows, only its rank's columns (the shrink may not have written past it)
+    own = (row_seg == seg)[:, None] & r_mask[None, :]
+    hs = (tl.where(own, h, 0.0) * scale).to(OUT_DTYPE)
+    return tl.dot(hs, bt, acc)
+
+
 def shrink_grid(num_segments: int, row_tiles: int, n_split: int) -> tuple[int, int]:
     return (num_segments * row_tiles, n_split)
 
@@ -613,6 +703,7 @@ def expand_grid(num_segments: int, row_tiles: int, n_chunks: int, n_slices: int)
 __all__ = [
     "lora_expand_kernel",
     "lora_expand_pdl_kernel",
+    "lora_expand_rows_kernel",
     "lora_fused_kernel",
     "lora_shrink_pdl_kernel",
     "lora_shrink_kernel",

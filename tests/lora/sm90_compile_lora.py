@@ -16,7 +16,9 @@ from helpers.sm90 import compile_sm90
 from loraplex.lora import triton_kernels as tk
 
 POINTERS = {name: "*bf16" for name in ("x_ptr", "y_ptr", "w_base")}
-POINTERS.update(h_ptr="*fp32", scale_tab="*fp32", cnt_ptr="*i32", err_ptr="*i32", rank_tab="*i32")
+POINTERS.update(
+    h_ptr="*fp32", scale_tab="*fp32", cnt_ptr="*i32", err_ptr="*i32", rank_tab="*i32", row_seg_ptr="*i32"
+)
 POINTERS.update(
     {name: "*i64" for name in ("row_perm_ptr", "seg_offsets_ptr", "seg_slots_ptr", "a_tab", "b_tab")}
 )
@@ -53,6 +55,14 @@ def kernels() -> dict[str, tuple]:
         # two tiles per program (both B tiles loaded before the wait), and a looped third
         for sub in (2, 3):
             out[f"expand_pdl{pdl}_sub{sub}"] = (tk.lora_expand_pdl_kernel, dict(consts, N_SUB=sub), 4, 3)
+        # row tiles spanning segments, a pipelined loop over their segments
+        consts = dict(COMMON, COLS_ALIGNED=True, BLOCK_M=16, BLOCK_N=256, N_SPLIT=16, USE_PDL=pdl)
+        out[f"expand_rows_pdl{pdl}"] = (
+            tk.lora_expand_rows_kernel,
+            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True),
+            4,
+            4,
+        )
     for name, block_m, block_k, split in (("decode", 16, 128, 16), ("prefill", 64, 64, 4)):
         consts = dict(
             COMMON, SLICE_MASK=7, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_RC=16, K_CHUNK=2 * block_k

@@ -220,6 +220,11 @@ WHOLE_LAYER_VARIANTS = {
     "pdl, split launch, segment tables": dict(pdl=True, fused_split_launch=True, seg_tables=True),
     "pdl, split launch, A prefetched into L2": dict(pdl=True, fused_split_launch=True, split_prefetch_a=True),
     "pdl, split launch, B prefetched into L2": dict(pdl=True, fused_split_launch=True, split_prefetch_b=True),
+    "pdl, split launch, row-loop expand": dict(pdl=True, fused_split_launch=True, row_loop_min_width=1),
+    "pdl, split launch, row-loop expand, segment tables": dict(
+        pdl=True, fused_split_launch=True, row_loop_min_width=1, seg_tables=True
+    ),
+    "split launch, row-loop expand": dict(pdl=False, fused_split_launch=True, row_loop_min_width=1),
     "pdl, split launch, 2 tiles per expand program": dict(
         pdl=True, fused_split_launch=True, fused_expand_sub=2
     ),

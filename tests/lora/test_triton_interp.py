@@ -240,6 +240,13 @@ HANDOFFS = {
     "split launch, 2 tiles per expand program": dict(fused_split_launch=True, fused_expand_sub=2),
     # per-step segment tables (`begin_step`): the kernels index tables by segment, not slot
     "split launch, segment tables": dict(fused_split_launch=True, seg_tables=True),
+    # row tiles spanning segments, a loop over their segments (every group; 16-column B tiles)
+    "split launch, row-loop expand": dict(
+        fused_split_launch=True, row_loop_min_width=1, row_loop_tile_elems=256
+    ),
+    "split launch, row-loop expand, segment tables": dict(
+        fused_split_launch=True, row_loop_min_width=1, row_loop_tile_elems=256, seg_tables=True
+    ),
 }
 
 
@@ -323,13 +330,17 @@ def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> Lo
 STREAMED_DECODE = with_overrides(FUSED_DECODE, fused_expand_sub=1, fused_per_sm=2)
 SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
 SEG_TABLES_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, seg_tables=True)
+ROW_LOOP_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, row_loop_min_width=1, row_loop_tile_elems=256)
 
 
 @pytest.mark.parametrize(
     "tiling",
-    [FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, SEG_TABLES_DECODE, SPLIT_DECODE],
-    ids=["fused-all-resident", "fused-streamed", "split-launch", "split-launch-segment-tables", "two-launch"],
-)
+    [FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, SEG_TABLES_DECODE, ROW_LOOP_DECODE, SPLIT_DECODE],
+    ids=[
+        "fused-all-resident", "fused-streamed", "split-launch", "split-launch-segment-tables",
+        "split-launch-row-loop", "two-launch",
+    ],
+)  # fmt: skip
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
     # adapter 1 adapts only q and up: the static launch covers every slice, rank 0 elsewhere
     table = make_table([16, 8, 16], DTYPE, "cpu", seed=8, targets=[None, ("q", "up"), None])
