@@ -47,11 +47,13 @@ LAYERS_PER_GRAPH = 4
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
     # today's default: the fused plan as two PDL launches (2-warp shrink, 4-warp expand) for rank
-    # tiles up to 64, 256-column expand tiles
+    # tiles up to 64, 256-column expand tiles, 4 stages; gate_up at rank tile 16 with short
+    # segments on the row-loop expand (128-column tiles)
     "decode": DECODE,
     # earlier defaults, to compare against: one launch with arrival counters and 4 warps (rank
-    # tile 16 only), and the split launch as first made the default (2-warp expands, 64-column
-    # tiles at rank tile 64, mixed ranks on the two-launch path)
+    # tile 16 only); the split launch as first made the default (2-warp expands, 64-column tiles
+    # at rank tile 64, mixed ranks on the two-launch path); the morning of 2026-11-29 (3 stages,
+    # no row-loop expand)
     "decode fused w4": with_overrides(
         DECODE,
         fused_warps=4,
@@ -59,13 +61,22 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
         split_expand_warps=0,
         fused_max_rank=16,
         fused_tile_elems=4096,
+        fused_stages=3,
+        row_loop_min_width=0,
     ),
     "decode split w2 r16": with_overrides(
-        DECODE, split_expand_warps=0, fused_max_rank=16, fused_tile_elems=4096
+        DECODE,
+        split_expand_warps=0,
+        fused_max_rank=16,
+        fused_tile_elems=4096,
+        fused_stages=3,
+        row_loop_min_width=0,
     ),
+    "decode stages=3 no row-loop": with_overrides(DECODE, fused_stages=3, row_loop_min_width=0),
     # one change each, on top of the default
+    "decode no row-loop": with_overrides(DECODE, row_loop_min_width=0),
     "decode no-pdl": with_overrides(DECODE, pdl=False),
-    "decode stages=4": with_overrides(DECODE, fused_stages=4),
+    "decode stages=3": with_overrides(DECODE, fused_stages=3),
     "decode two-launch": with_overrides(DECODE, fused=False),
     "decode w4": with_overrides(DECODE, fused_warps=4),  # 4-warp shrink programs
     "decode w2e": with_overrides(DECODE, split_expand_warps=2),  # 2-warp expand programs
@@ -79,35 +90,17 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # K chunks of one step (up to 64 per row tile) with a 16-programs-per-SM budget, or a budget of 8
     "decode k1 budget16": with_overrides(DECODE, fused_min_k_steps=1, fused_max_split=64, fused_per_sm=16),
     "decode budget8": with_overrides(DECODE, fused_per_sm=8),
-    # the shrink's A rows prefetched into L2 before the PDL wait (no registers held), alone and
-    # with 4 stages
-    "decode l2-prefetch": with_overrides(DECODE, split_prefetch_a=True),
-    "decode l2-prefetch stages=4": with_overrides(DECODE, split_prefetch_a=True, fused_stages=4),
-    "decode seg-tables l2-prefetch stages=4": with_overrides(
-        DECODE, seg_tables=True, split_prefetch_a=True, fused_stages=4
-    ),
     # one 256-column K step per chunk: all of a shrink program's loads issued at once
     "decode bk256": with_overrides(DECODE, block_k=256, fused_min_k_steps=1),
-    # per-step segment tables (one dependent load fewer per program), alone and with 4 stages
+    # per-step segment tables (one dependent load fewer per program)
     "decode seg-tables": with_overrides(DECODE, seg_tables=True),
-    "decode seg-tables stages=4": with_overrides(DECODE, seg_tables=True, fused_stages=4),
-    # the shrink programs start the expand's B toward L2 before their PDL wait
-    "decode b-prefetch": with_overrides(DECODE, split_prefetch_b=True),
-    "decode b-prefetch stages=4": with_overrides(DECODE, split_prefetch_b=True, fused_stages=4),
-    "decode b-prefetch seg-tables stages=4": with_overrides(
-        DECODE, split_prefetch_b=True, seg_tables=True, fused_stages=4
-    ),
-    # the row-loop expand (16-row tiles spanning segments, a pipelined loop over their segments)
-    # for gate_up only (the widest group, whose one-segment expand takes several waves) or for
-    # every group, with 4 stages
-    "decode row-loop stages=4": with_overrides(DECODE, row_loop_min_width=8192, fused_stages=4),
-    "decode row-loop all stages=4": with_overrides(DECODE, row_loop_min_width=1, fused_stages=4),
-    "decode row-loop seg-tables stages=4": with_overrides(
-        DECODE, row_loop_min_width=8192, seg_tables=True, fused_stages=4
-    ),
-    "decode row-loop w8 stages=4": with_overrides(
-        DECODE, row_loop_min_width=8192, split_expand_warps=8, fused_stages=4
-    ),
+    # the row-loop expand: 256- or 64-column tiles; for every group; at any rank tile; for long
+    # segments too
+    "decode row-loop te4096": with_overrides(DECODE, row_loop_tile_elems=4096),
+    "decode row-loop te1024": with_overrides(DECODE, row_loop_tile_elems=1024),
+    "decode row-loop all": with_overrides(DECODE, row_loop_min_width=1),
+    "decode row-loop any rank": with_overrides(DECODE, row_loop_max_rank=64),
+    "decode row-loop long segments": with_overrides(DECODE, row_loop_max_avg_rows=64.0),
     "prefill": PREFILL,
 }
 TILING_CASES = (

@@ -124,7 +124,7 @@ class TritonLoRABackend:
         self._checked_version = -1
         # the step's segment tables (`begin_step`): (metadata, table version, tables)
         self._seg: tuple[LoRABatchMetadata, int, SegmentTables] | None = None
-        self._row_seg: tuple[LoRABatchMetadata, torch.Tensor] | None = None  # `_row_segments`
+        self._row_seg: tuple[LoRABatchMetadata, torch.Tensor, bool] | None = None  # `_row_segments`
 
     @property
     def total_calls(self) -> int:
@@ -167,13 +167,9 @@ class TritonLoRABackend:
         the step is captured): with a decode tiling that reads per-step segment tables, gather
         them now, for every layer at once. Otherwise nothing. Calls of a step that did not
         begin this way read the slot tables, as always."""
-        self._seg = self._row_seg = None
+        self._seg = self._row_seg = None  # the row-loop expand's row segments: made on first use
         tiling = self.tiling or DECODE
-        if meta.num_segments == 0 or not tiling.fused_split_launch:
-            return
-        if tiling.row_loop_min_width:
-            self._row_segments(meta)
-        if not tiling.seg_tables:
+        if not (tiling.seg_tables and tiling.fused_split_launch) or meta.num_segments == 0:
             return
         dev = self.device_table(device)
         dev.sync(table)
@@ -182,14 +178,18 @@ class TritonLoRABackend:
     def _row_segments(self, meta: LoRABatchMetadata) -> torch.Tensor:
         """[num_lora_rows] int32: the segment of every row of the segment order (num_segments for
         rows past the last segment), for the row-loop expand. Computed on the device once per
-        step (`begin_step`, or the first call that needs it), so a captured step recomputes it
-        from the live offsets on every replay."""
+        step (the first call that needs it; `begin_step` forgets the last step's), so a captured
+        step recomputes it from the live offsets on every replay."""
+        device = meta.seg_offsets.device
+        # made outside a capture that now uses it (a warm-up call of the same metadata): make it
+        # again inside, or the replays would read the warm-up's rows
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         cached = self._row_seg
-        if cached is not None and cached[0] is meta:
+        if cached is not None and cached[0] is meta and (cached[2] or not capturing):
             return cached[1]
-        rows = torch.arange(meta.num_lora_rows, device=meta.seg_offsets.device)
+        rows = torch.arange(meta.num_lora_rows, device=device)
         row_seg = torch.searchsorted(meta.seg_offsets[1:], rows, right=True).to(torch.int32)
-        self._row_seg = (meta, row_seg)
+        self._row_seg = (meta, row_seg, capturing)
         return row_seg
 
     def _segment_tables(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> SegmentTables | None:
@@ -514,23 +514,19 @@ class TritonLoRABackend:
             SEG_TABLES=call.seg_tabs is not None, num_stages=tiling.fused_stages, **pdl,
         )  # fmt: skip
         expand_warps = tiling.split_expand_warps or tiling.fused_warps
-        prefetch_lines = 0  # 128-byte lines of a K chunk, rounded up to a power of two; 0: off
-        if tiling.split_prefetch_a and x.device.type == "cuda":  # PTX: not in the interpreter
-            prefetch_lines = 1 << (_cdiv(plan.split.k_chunk * dev.base.element_size(), 128) - 1).bit_length()
-        b_lines = 0  # the shrink's share of the expand's B to prefetch into L2 (lines); 0: off
-        if tiling.split_prefetch_b and x.device.type == "cuda":
-            lines = _cdiv(call.widest * step.block_r * dev.base.element_size(), 128)  # the widest slice's B
-            share = _cdiv(lines, plan.split.n_split * call.r_chunks)  # parts: a row tile's shrink programs
-            b_lines = 1 << (share - 1).bit_length()
         self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
-            x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.b_offs,
-            tabs.ranks, n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles, *cols,
+            x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
+            n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
-            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, PREFETCH_LINES=prefetch_lines,
-            PREFETCH_B_LINES=b_lines, **common,
+            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
         )  # fmt: skip
         widths = [cols[i + 1] - cols[i] if call.slice_mask >> i & 1 else 0 for i in range(call.n_slices)]
-        if tiling.row_loop_min_width and sum(widths) >= tiling.row_loop_min_width:
+        if (
+            tiling.row_loop_min_width
+            and sum(widths) >= tiling.row_loop_min_width
+            and step.block_r <= tiling.row_loop_max_rank
+            and meta.num_lora_rows <= tiling.row_loop_max_avg_rows * meta.num_segments
+        ):
             block_n = max(16, min(256, tiling.row_loop_tile_elems // step.block_r))
             ch = [_cdiv(w, block_n) for w in widths] + [0] * (3 - len(widths))
             num_rows = meta.num_lora_rows

@@ -65,17 +65,15 @@ class LoRATiling:
     # split launch only: kernels read per-step segment tables (gathered by `begin_step`, one
     # column per segment) instead of the slot tables, one dependent load fewer per program
     seg_tables: bool = False
-    # split launch on CUDA only: the shrink prefetches its A rows into L2 before the PDL wait
-    # (`prefetch.global.L2`, no registers held)
-    split_prefetch_a: bool = False
-    # split launch on CUDA only: the shrink programs start the expand's B toward L2 before their
-    # PDL wait (each program its share of its segment's B), so the expand reads B from L2
-    split_prefetch_b: bool = False
     # split launch only: a group whose adapted slices are at least this wide in all (0: never)
     # takes the row-loop expand (`lora_expand_rows_kernel`: 16-row tiles spanning segments, a
     # loop over their segments), with B tiles of at most row_loop_tile_elems elements
     row_loop_min_width: int = 0
     row_loop_tile_elems: int = 4096
+    row_loop_max_rank: int = 64  # ... and only when the step's rank tile is at most this
+    # ... and segments average at most this many rows (a row tile spans several segments; a
+    # captured step: rows over segment capacity)
+    row_loop_max_avg_rows: float = 4.0
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call
@@ -88,12 +86,15 @@ class LoRATiling:
 
 # The decode default (measured on an H200, docs/kernels.md): the fused plan as two PDL launches
 # (shrink with 2 warps, expand with 4), for every rank tile up to 64, expand tiles of 256 columns
-# at any rank tile. The shrink takes the whole grid budget (its expand programs are streamed, so
-# they need no share of it) and up to 32 K chunks: its K loops are what the expand programs wait for.
+# at any rank tile, 4 pipeline stages. The shrink takes the whole grid budget (its expand programs
+# are streamed, so they need no share of it) and up to 32 K chunks: its K loops are what the
+# expand programs wait for. gate_up (the only group 8192+ columns wide) at rank tile 16 with
+# short segments takes the row-loop expand with 128-column tiles.
 DECODE = LoRATiling(
     "decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1,
     fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32, fused_warps=2, fused_split_launch=True,
-    split_expand_warps=4, fused_max_rank=64, fused_tile_elems=16384,
+    split_expand_warps=4, fused_max_rank=64, fused_tile_elems=16384, fused_stages=4,
+    row_loop_min_width=8192, row_loop_max_rank=16, row_loop_tile_elems=2048,
 )  # fmt: skip
 PREFILL = LoRATiling("prefill", 64, 64, 16, 128, 256, 4, 3, 4, 3, 4)
 TILINGS = {t.name: t for t in (DECODE, PREFILL)}

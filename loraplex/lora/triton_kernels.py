@@ -259,73 +259,6 @@ CNT_STRIDE: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """`prefetch.global.L2` at every address of ptrs (CUDA only; the interpreter has no PTX): the
-    line is on its way into L2 and nothing is held in registers. The asm must return something;
-    its dummy result is unused."""
-    tl.inline_asm_elementwise(
-        "mov.b32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_l2_where(ptrs, ok):
-    """`prefetch.global.L2` at the addresses of ptrs where ok holds (a predicated prefetch, so
-    masked lanes issue nothing). CUDA only, like `_prefetch_l2`."""
-    tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $2, 0;\n\tmov.b32 $0, 0;\n\t@p prefetch.global.L2 [$1];\n\t}",
-        "=r,l,r", [ptrs.to(tl.int64), ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_b_share(b_ptr, rank, width, part, n_parts, LINES: tl.constexpr, W_ALIGN: tl.constexpr):
-    # share `part` of n_parts of one slice's B ([width, rank] row-major: width * rank contiguous
-    # elements), one prefetch per 128-byte line
-    LINE: tl.constexpr = 8 * W_ALIGN
-    n_lines = (width * rank + LINE - 1) // LINE
-    per = (n_lines + n_parts - 1) // n_parts
-    idx = part * per + tl.arange(0, LINES)
-    _prefetch_l2_where(b_ptr + idx.to(tl.int64) * LINE, (idx < (part + 1) * per) & (idx < n_lines))
-
-
-@triton.jit
-def _shrink_prefetch_b(
-    pid, w_base, b_tab, rank_tab, seg_slots_ptr, n_slots, row_tiles, col0, col1, col2, col3,
-    N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
-    R_CHUNKS: tl.constexpr, N_SPLIT: tl.constexpr, SEG_TABLES: tl.constexpr, LINES: tl.constexpr,
-):  # fmt: skip
-    """The shrink programs of a segment's first row tile start its B (every adapted slice) on its
-    way into L2, each its share: B is a weight, so this may run before the PDL wait, and the
-    shrink leaves DRAM mostly idle (it streams only A), so the expand launch then reads B from L2."""
-    rc = pid % R_CHUNKS
-    split = (pid // R_CHUNKS) % N_SPLIT
-    tile = pid // (R_CHUNKS * N_SPLIT)
-    if tile % row_tiles == 0:
-        slot = _slot_or_segment(seg_slots_ptr, tile // row_tiles, SEG_TABLES)
-        b0, r0, b1, r1, b2, r2, _ = _slice_entries(
-            w_base, b_tab, rank_tab, n_slots, slot, N_SLICES, SLICE_MASK, RANK_ALIGNED, W_ALIGN
-        )
-        part = split * R_CHUNKS + rc
-        parts: tl.constexpr = N_SPLIT * R_CHUNKS
-        if SLICE_MASK & 1:
-            _prefetch_b_share(b0, r0, col1 - col0, part, parts, LINES, W_ALIGN)
-        if N_SLICES > 1 and SLICE_MASK & 2:
-            _prefetch_b_share(b1, r1, col2 - col1, part, parts, LINES, W_ALIGN)
-        if N_SLICES > 2 and SLICE_MASK & 4:
-            _prefetch_b_share(b2, r2, col3 - col2, part, parts, LINES, W_ALIGN)
-
-
-@triton.jit
-def _prefetch_a_rows(a_ptr, rank, d_in, offs_r, k_line, k_ok):
-    # one prefetch per 128-byte line of the program's A rows over its K chunk; lines past the rank
-    # or the chunk repeat the first line of A (harmless)
-    ok = (offs_r[:, None] < rank) & k_ok[None, :]
-    _prefetch_l2(tl.where(ok, a_ptr + offs_r[:, None] * d_in + k_line[None, :], a_ptr))
-
-
-@triton.jit
 def _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES: tl.constexpr):
     """The column of the weight tables this segment reads: its slot, or with per-step segment
     tables (gathered once per step by `begin_step`, one column per segment) the segment itself,
@@ -343,7 +276,7 @@ def _fused_shrink_part(
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
-    SEG_TABLES: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
+    SEG_TABLES: tl.constexpr = False,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -362,17 +295,6 @@ def _fused_shrink_part(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
-    if PREFETCH_LINES > 0:
-        # A is a weight (static for the step): start its lines toward L2 now, while the kernel
-        # before finishes, so the K loop after the wait reads L2 rather than DRAM.
-        k_line = split * K_CHUNK + tl.arange(0, PREFETCH_LINES) * (8 * W_ALIGN)
-        k_ok = (k_line < split * K_CHUNK + K_CHUNK) & (k_line < d_in)
-        if SLICE_MASK & 1:
-            _prefetch_a_rows(a0, r0, d_in, offs_r, k_line, k_ok)
-        if N_SLICES > 1 and SLICE_MASK & 2:
-            _prefetch_a_rows(a1, r1, d_in, offs_r, k_line, k_ok)
-        if N_SLICES > 2 and SLICE_MASK & 4:
-            _prefetch_a_rows(a2, r2, d_in, offs_r, k_line, k_ok)
     if USE_PDL:
         # Everything above reads only metadata and weights; X, h and the counters may still be in
         # use by the kernel this one overlaps, so they wait for it to finish.
@@ -556,31 +478,23 @@ def lora_fused_kernel(
 
 @triton.jit
 def lora_shrink_pdl_kernel(
-    x_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, b_tab, rank_tab, n_slots, d_in,
-    stride_xm, num_rows, row_tiles, col0, col1, col2, col3,
+    x_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab, n_slots, d_in,
+    stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, PREFETCH_B_LINES: tl.constexpr = 0,
 ):  # fmt: skip
     """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
-    `lora_expand_pdl_kernel` through the launch boundary instead of counters. With PDL the expand
-    launch may start at once: its programs load their B tiles while these run.
-    PREFETCH_B_LINES > 0 (CUDA only): also start the expand's B toward L2 (`_shrink_prefetch_b`)."""
+    `lora_expand_pdl_kernel` (or `lora_expand_rows_kernel`) through the launch boundary instead of
+    counters. With PDL the expand launch may start at once: its programs load their B tiles while
+    these run."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH_B_LINES > 0:
-        _shrink_prefetch_b(
-            tl.program_id(0), w_base, b_tab, rank_tab, seg_slots_ptr, n_slots, row_tiles, col0, col1, col2,
-            col3, N_SLICES, SLICE_MASK, RANK_ALIGNED, W_ALIGN, BLOCK_R // BLOCK_RC, N_SPLIT, SEG_TABLES,
-            PREFETCH_B_LINES,
-        )  # fmt: skip
     PART_PDL: tl.constexpr = 2 if USE_PDL else 0  # wait for the kernel before; trigger done above
     _fused_shrink_part(
         tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
         rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
         W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, SEG_TABLES,
-        PREFETCH_LINES,
     )  # fmt: skip
 
 
@@ -666,8 +580,8 @@ def lora_expand_rows_kernel(
                 seg_slots_ptr, n_slots, i, y_ptr.dtype.element_ty, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
             )  # fmt: skip
             seg += 1
-    # Y after the loop: its tile and 64-bit addresses held across the loop cost about a hundred
-    # registers per thread (measured in the compiled kernel), i.e. most of the occupancy
+    # Y after the loop: loaded before it, its tile and 64-bit addresses held across the loop
+    # double the registers per thread (compiled for sm_90: 80 -> 168 with 128-column tiles)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + col_lo + offs_n[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
     yt = tl.load(y_ptrs, mask=y_mask, other=0.0)

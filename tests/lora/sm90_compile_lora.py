@@ -44,8 +44,6 @@ def kernels() -> dict[str, tuple]:
                 N_SPLIT=16,
                 USE_PDL=pdl,
                 SEG_TABLES=bool(pdl),
-                PREFETCH_LINES=4 * pdl,  # with PDL: A's lines prefetched into L2 before the wait
-                PREFETCH_B_LINES=256 * pdl,  # and the expand's B
             ),  # fmt: skip
             2,
             3,
@@ -56,7 +54,7 @@ def kernels() -> dict[str, tuple]:
         for sub in (2, 3):
             out[f"expand_pdl{pdl}_sub{sub}"] = (tk.lora_expand_pdl_kernel, dict(consts, N_SUB=sub), 4, 3)
         # row tiles spanning segments, a pipelined loop over their segments
-        consts = dict(COMMON, COLS_ALIGNED=True, BLOCK_M=16, BLOCK_N=256, N_SPLIT=16, USE_PDL=pdl)
+        consts = dict(COMMON, COLS_ALIGNED=True, BLOCK_M=16, BLOCK_N=128, N_SPLIT=16, USE_PDL=pdl)
         out[f"expand_rows_pdl{pdl}"] = (
             tk.lora_expand_rows_kernel,
             dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True),
@@ -73,18 +71,10 @@ def kernels() -> dict[str, tuple]:
     return out
 
 
-def check_prefetch_before_wait(ptx: str) -> None:
-    """The A and B prefetches are all issued before the PDL wait: that is their whole point."""
-    prefetch, wait = ptx.rfind("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
-    assert 0 <= prefetch < wait, "the shrink's L2 prefetches must precede griddepcontrol.wait"
-
-
 def main() -> None:
     dump = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     for name, (fn, consts, warps, stages) in kernels().items():
         ptx = compile_sm90(fn, consts, POINTERS, warps, num_stages=stages)
-        if consts.get("PREFETCH_LINES"):
-            check_prefetch_before_wait(ptx)
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             (dump / f"{name}.ptx").write_text(ptx)

@@ -97,6 +97,26 @@ def test_llama3_shapes_rows_1_to_8192(rows: int) -> None:
     _check(_backend(), slots, table, LLAMA3_8B_SHAPES)
 
 
+@pytest.mark.parametrize("rows", [24, 64])
+def test_llama3_gate_up_row_loop_expand(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the decode default at rank 16 with segments of about two rows: gate_up (2 x 14336 columns)
+    # takes the row-loop expand, whose row tiles span several segments; the other groups do not
+    be = _backend()
+    launched: list[object] = []
+    real = be._k.lora_expand_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid: object) -> object:
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(be._k, "lora_expand_rows_kernel", Spy())
+    table = make_table([16] * 32, DTYPE, DEV, shapes=LLAMA3_8B_SHAPES, seed=12)
+    slots = row_slots(spread(rows, 32 if rows == 64 else 12, seed=13), 1, base_every=5)
+    _check(be, slots, table, LLAMA3_8B_SHAPES)
+    assert len(launched) == 1  # gate_up only
+
+
 @pytest.mark.parametrize("path", ["split launch", "one launch", "two launches"])
 def test_segments_of_one_row_many_adapters(path: str) -> None:
     # the fused plan as two PDL launches, as one launch with arrival counters, and the plain
@@ -218,8 +238,6 @@ WHOLE_LAYER_VARIANTS = {
         pdl=True, fused_split_launch=True, fused_warps=4, split_expand_warps=2
     ),
     "pdl, split launch, segment tables": dict(pdl=True, fused_split_launch=True, seg_tables=True),
-    "pdl, split launch, A prefetched into L2": dict(pdl=True, fused_split_launch=True, split_prefetch_a=True),
-    "pdl, split launch, B prefetched into L2": dict(pdl=True, fused_split_launch=True, split_prefetch_b=True),
     "pdl, split launch, row-loop expand": dict(pdl=True, fused_split_launch=True, row_loop_min_width=1),
     "pdl, split launch, row-loop expand, segment tables": dict(
         pdl=True, fused_split_launch=True, row_loop_min_width=1, seg_tables=True
