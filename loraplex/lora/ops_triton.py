@@ -124,7 +124,8 @@ class TritonLoRABackend:
         self._checked_version = -1
         # the step's segment tables (`begin_step`): (metadata, table version, tables)
         self._seg: tuple[LoRABatchMetadata, int, SegmentTables] | None = None
-        self._row_seg: tuple[LoRABatchMetadata, torch.Tensor, bool] | None = None  # `_row_segments`
+        # `_row_segments`: (metadata, rows' segments, whether begin_step or a capture made them)
+        self._row_seg: tuple[LoRABatchMetadata, torch.Tensor, bool] | None = None
 
     @property
     def total_calls(self) -> int:
@@ -165,31 +166,39 @@ class TritonLoRABackend:
     def begin_step(self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device | str) -> None:
         """Called once per forward, before its first `apply` (inside a CUDA-graph capture when
         the step is captured): with a decode tiling that reads per-step segment tables, gather
-        them now, for every layer at once. Otherwise nothing. Calls of a step that did not
-        begin this way read the slot tables, as always."""
-        self._seg = self._row_seg = None  # the row-loop expand's row segments: made on first use
+        them now, for every layer at once; when the row-loop expand may run, find every row's
+        segment. Otherwise nothing. Calls of a step that did not begin this way read the slot
+        tables and find the rows' segments themselves."""
+        self._seg = self._row_seg = None
         tiling = self.tiling or DECODE
-        if not (tiling.seg_tables and tiling.fused_split_launch) or meta.num_segments == 0:
+        if not tiling.fused_split_launch or meta.num_segments == 0:
+            return
+        if (
+            tiling.row_loop_min_width
+            and meta.num_lora_rows <= tiling.row_loop_max_avg_rows * meta.num_segments
+        ):
+            self._row_segments(meta, step_begins=True)  # the row-loop expand may run this step
+        if not tiling.seg_tables:
             return
         dev = self.device_table(device)
         dev.sync(table)
         self._seg = (meta, dev.version, dev.segment_tables(meta.seg_slots))
 
-    def _row_segments(self, meta: LoRABatchMetadata) -> torch.Tensor:
+    def _row_segments(self, meta: LoRABatchMetadata, step_begins: bool = False) -> torch.Tensor:
         """[num_lora_rows] int32: the segment of every row of the segment order (num_segments for
         rows past the last segment), for the row-loop expand. Computed on the device once per
-        step (the first call that needs it; `begin_step` forgets the last step's), so a captured
-        step recomputes it from the live offsets on every replay."""
+        step: by `begin_step` (inside the capture of a captured step, so replays recompute it from
+        the live offsets), else by the first call that needs it."""
         device = meta.seg_offsets.device
-        # made outside a capture that now uses it (a warm-up call of the same metadata): make it
-        # again inside, or the replays would read the warm-up's rows
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         cached = self._row_seg
+        # A call's own copy made outside a capture that now uses it (a warm-up call of the same
+        # metadata) is made again inside, or the replays would read the warm-up's rows.
         if cached is not None and cached[0] is meta and (cached[2] or not capturing):
             return cached[1]
         rows = torch.arange(meta.num_lora_rows, device=device)
         row_seg = torch.searchsorted(meta.seg_offsets[1:], rows, right=True).to(torch.int32)
-        self._row_seg = (meta, row_seg, capturing)
+        self._row_seg = (meta, row_seg, step_begins or capturing)
         return row_seg
 
     def _segment_tables(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> SegmentTables | None:
