@@ -29,6 +29,7 @@ from loraplex.lora.triton_config import (
     blocks_per_sm,
     pick_tiling,
     plan_fused,
+    row_loop_applies,
     split_k,
 )
 from loraplex.lora.triton_table import GroupTables, LoRADeviceTable, SegmentTables, target_bit
@@ -173,10 +174,7 @@ class TritonLoRABackend:
         tiling = self.tiling or DECODE
         if not tiling.fused_split_launch or meta.num_segments == 0:
             return
-        if (
-            tiling.row_loop_min_width
-            and meta.num_lora_rows <= tiling.row_loop_max_avg_rows * meta.num_segments
-        ):
+        if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments):
             self._row_segments(meta, step_begins=True)  # the row-loop expand may run this step
         if not tiling.seg_tables:
             return
@@ -530,22 +528,10 @@ class TritonLoRABackend:
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
         )  # fmt: skip
         widths = [cols[i + 1] - cols[i] if call.slice_mask >> i & 1 else 0 for i in range(call.n_slices)]
-        if (
-            tiling.row_loop_min_width
-            and sum(widths) >= tiling.row_loop_min_width
-            and step.block_r <= tiling.row_loop_max_rank
-            and meta.num_lora_rows <= tiling.row_loop_max_avg_rows * meta.num_segments
-        ):
-            block_n = max(16, min(256, tiling.row_loop_tile_elems // step.block_r))
-            ch = [_cdiv(w, block_n) for w in widths] + [0] * (3 - len(widths))
-            num_rows = meta.num_lora_rows
-            self._k.lora_expand_rows_kernel[(_cdiv(num_rows, tiling.block_m) * sum(ch),)](
-                y, dev.base, h, meta.row_perm, self._row_segments(meta), meta.seg_slots, tabs.b_offs,
-                tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
-                ch[0], ch[0] + ch[1], sum(ch),
-                COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=x.device.type == "cuda",
-                num_warps=expand_warps, **common,
-            )  # fmt: skip
+        if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments, step.block_r, sum(widths)):
+            self._launch_expand_rows(
+                y, h, meta, call, tabs, n_cols, widths, dict(common, num_warps=expand_warps)
+            )
             return
         ch = plan.chunks
         self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
@@ -554,6 +540,32 @@ class TritonLoRABackend:
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n, N_SUB=plan.n_sub,
             num_warps=expand_warps, **common,
+        )  # fmt: skip
+
+    def _launch_expand_rows(
+        self,
+        y: torch.Tensor,
+        h: torch.Tensor,
+        meta: LoRABatchMetadata,
+        call: _CallPlan,
+        tabs: GroupTables,
+        n_cols: int,
+        widths: list[int],
+        common: dict,
+    ) -> None:
+        """The split launch's expand half as the row-loop kernel: row tiles of the segment order
+        (spanning segments) x column tiles of the adapted slices, `row_loop_tile_elems` B
+        elements per tile."""
+        tiling, step, cols = call.tiling, call.step, call.cols
+        block_n = max(16, min(256, tiling.row_loop_tile_elems // step.block_r))
+        ch = [_cdiv(w, block_n) for w in widths] + [0] * (3 - len(widths))
+        num_rows = meta.num_lora_rows
+        self._k.lora_expand_rows_kernel[(_cdiv(num_rows, tiling.block_m) * sum(ch),)](
+            y, call.dev.base, h, meta.row_perm, self._row_segments(meta), meta.seg_slots, tabs.b_offs,
+            tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
+            ch[0], ch[0] + ch[1], sum(ch),
+            COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=y.device.type == "cuda",
+            **common,
         )  # fmt: skip
 
     @staticmethod

@@ -208,6 +208,19 @@ def plan_fused(
     return None
 
 
+def row_loop_applies(
+    tiling: LoRATiling, rows: int, segments: int, block_r: int | None = None, width: int | None = None
+) -> bool:
+    """Whether the row-loop expand may serve a step of `rows` LoRA rows in `segments` segments
+    (segments short enough that a row tile spans several), and, given, a call of that rank tile
+    whose adapted slices are `width` columns wide in all."""
+    if not tiling.row_loop_min_width or segments == 0 or rows > tiling.row_loop_max_avg_rows * segments:
+        return False
+    if block_r is not None and block_r > tiling.row_loop_max_rank:
+        return False
+    return width is None or width >= tiling.row_loop_min_width
+
+
 def with_overrides(tiling: LoRATiling, **kw: int) -> LoRATiling:
     return replace(tiling, **kw)
 

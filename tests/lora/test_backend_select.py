@@ -17,6 +17,7 @@ from loraplex.lora.triton_config import (
     blocks_per_sm,
     pick_tiling,
     plan_fused,
+    row_loop_applies,
     split_k,
     with_overrides,
 )
@@ -88,3 +89,14 @@ def test_blocks_per_sm_from_resources() -> None:
     assert blocks_per_sm(64, 16384, 4, Hopper()) == 8  # registers bound
     assert blocks_per_sm(32, 100_000, 4, Hopper()) == 2  # shared memory bound
     assert blocks_per_sm(16, 0, 8, Hopper()) == 8  # threads bound
+
+
+def test_row_loop_applies_to_wide_groups_with_short_segments_at_small_rank_tiles() -> None:
+    # the decode default: gate_up (2 x 14336 columns) at rank tile 16 with about two rows per segment
+    assert row_loop_applies(DECODE, rows=64, segments=32, block_r=16, width=28672)
+    assert row_loop_applies(DECODE, rows=64, segments=16)  # the step may use it (4 rows per segment)
+    assert not row_loop_applies(DECODE, rows=64, segments=8)  # 8 rows per segment: tiles of one segment
+    assert not row_loop_applies(DECODE, rows=64, segments=0)
+    assert not row_loop_applies(DECODE, rows=64, segments=32, block_r=64, width=28672)  # mixed ranks
+    assert not row_loop_applies(DECODE, rows=64, segments=32, block_r=16, width=6144)  # qkv
+    assert not row_loop_applies(with_overrides(DECODE, row_loop_min_width=0), rows=64, segments=32)
