@@ -100,6 +100,8 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode row-loop te1024": with_overrides(DECODE, row_loop_tile_elems=1024),
     "decode row-loop all": with_overrides(DECODE, row_loop_min_width=1),
     "decode row-loop any rank": with_overrides(DECODE, row_loop_max_rank=64),
+    # ... at any rank tile with 128-column tiles at rank tile 64 (32 KB of B per pipeline stage)
+    "decode row-loop any rank te8192": with_overrides(DECODE, row_loop_max_rank=64, row_loop_tile_elems=8192),
     "decode row-loop long segments": with_overrides(DECODE, row_loop_max_avg_rows=64.0),
     "prefill": PREFILL,
 }
