@@ -145,19 +145,30 @@ class KernelBench:
         self.device = device
         self.timer = GpuTimer(device, reps, warmup)
         self.backend_cls = TritonLoRABackend
-        self.tables: dict[str, LoRASlotTable] = {}
+        self.tables: dict[tuple[str, int], LoRASlotTable] = {}  # (rank mix, layers) -> adapters
         self.base_weights = {
             g: torch.randn(sum(w), d, device=device, dtype=DTYPE) * d**-0.5 for g, (d, w) in LLAMA3_8B.items()
         }
         self._base_cache: dict[int, dict[str, dict[str, float]]] = {}
-        self._layer_tables: dict[tuple[str, int], LoRASlotTable] = {}
 
-    def table(self, ranks: str) -> LoRASlotTable:
-        if ranks not in self.tables:
-            self.tables = {}  # one rank mix resident at a time keeps memory flat
+    def table(self, ranks: str, layers: int = 1) -> LoRASlotTable:
+        key = (ranks, layers)
+        if key not in self.tables:
+            self.tables = {}  # one table resident at a time keeps memory flat
             torch.cuda.empty_cache()
-            self.tables[ranks] = build_table(RANK_MIXES[ranks], self.device)
-        return self.tables[ranks]
+            self.tables[key] = build_table(RANK_MIXES[ranks], self.device, layers=layers)
+        return self.tables[key]
+
+    def _prepared(self, case: KernelCase, table: LoRASlotTable, tiling: LoRATiling | None) -> tuple:
+        """(metadata, its build time in µs, a backend ready for it): device tables synced and
+        `begin_step` run, which the engine does once per step, so outside the per-layer timing."""
+        t0 = time.perf_counter()
+        meta = LoRABatchMetadata.build(case.row_slots(), table, self.device)
+        build_us = 1e6 * (time.perf_counter() - t0)
+        be = self.backend_cls(tiling)
+        be.prepare(meta, table, self.device)
+        be.begin_step(meta, table, self.device)
+        return meta, build_us, be
 
     def _io(self, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         xs = {g: torch.randn(rows, d, device=self.device, dtype=DTYPE) for g, (d, _) in LLAMA3_8B.items()}
@@ -189,16 +200,8 @@ class KernelBench:
         """The whole-layer op for `layers` consecutive layers in one graph, each with its own
         weights (as in a captured decode step, where no layer finds its adapters in L2); time per
         layer."""
-        key = (case.ranks, layers)
-        if key not in self._layer_tables:
-            self._layer_tables = {}
-            torch.cuda.empty_cache()
-            self._layer_tables[key] = build_table(RANK_MIXES[case.ranks], self.device, layers=layers)
-        table = self._layer_tables[key]
-        meta = LoRABatchMetadata.build(case.row_slots(), table, self.device)
-        be = self.backend_cls(tiling)
-        be.prepare(meta, table, self.device)
-        be.begin_step(meta, table, self.device)
+        table = self.table(case.ranks, layers)
+        meta, _, be = self._prepared(case, table, tiling)
         xs, ys = self._io(case.rows)
         offs = {g: slice_offsets(w) for g, (_, w) in LLAMA3_8B.items()}
 
@@ -212,14 +215,7 @@ class KernelBench:
 
     def run_case(self, case: KernelCase, tiling: LoRATiling | None = None, groups: bool = True) -> dict:
         table = self.table(case.ranks)
-        slots = case.row_slots()
-        t0 = time.perf_counter()
-        meta = LoRABatchMetadata.build(slots, table, self.device)
-        build_us = 1e6 * (time.perf_counter() - t0)
-        be = self.backend_cls(tiling)
-        be.prepare(meta, table, self.device)
-        # once per step in the engine (a gather for all layers), so outside the per-layer timing
-        be.begin_step(meta, table, self.device)
+        meta, build_us, be = self._prepared(case, table, tiling)
         xs, ys = self._io(case.rows)
         offs = {g: slice_offsets(w) for g, (_, w) in LLAMA3_8B.items()}
 

@@ -473,7 +473,7 @@ class TritonLoRABackend:
 
         if tiling.fused_split_launch:
             self._plans[key] = plan
-            self._launch_split(y, x, meta, call, plan, h)
+            self._launch_split(y, x, meta, call, plan, h, widths)
             return True
         kernel = self._k.lora_fused_kernel
         if first and cuda:
@@ -505,9 +505,10 @@ class TritonLoRABackend:
         call: _CallPlan,
         plan: FusedPlan,
         h: torch.Tensor,
+        widths: tuple[int, ...],
     ) -> None:
         """The fused plan as two launches (`fused_split_launch`): no program waits on another, so
-        nothing needs to be resident at once."""
+        nothing needs to be resident at once. widths: each slice's, 0 for slices nobody adapts."""
         dev, tabs, tiling, step, cols = call.dev, call.tabs, call.tiling, call.step, call.cols
         pdl = {"launch_pdl": True} if tiling.pdl and x.device.type == "cuda" else {}
         use_pdl = 1 if pdl else 0
@@ -527,7 +528,6 @@ class TritonLoRABackend:
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
         )  # fmt: skip
-        widths = [cols[i + 1] - cols[i] if call.slice_mask >> i & 1 else 0 for i in range(call.n_slices)]
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments, step.block_r, sum(widths)):
             self._launch_expand_rows(
                 y, h, meta, call, tabs, n_cols, widths, dict(common, num_warps=expand_warps)
@@ -550,7 +550,7 @@ class TritonLoRABackend:
         call: _CallPlan,
         tabs: GroupTables,
         n_cols: int,
-        widths: list[int],
+        widths: tuple[int, ...],
         common: dict,
     ) -> None:
         """The split launch's expand half as the row-loop kernel: row tiles of the segment order

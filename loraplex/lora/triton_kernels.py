@@ -109,6 +109,44 @@ def _shrink_tile(
 
 
 @triton.jit
+def _chunk_slice(c, ch1, ch2):
+    """(slice, chunk within it) of column chunk c, when the chunks of all adapted slices are
+    numbered consecutively (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2: [ch2, ...))."""
+    i = (c >= ch1).to(tl.int32) + (c >= ch2).to(tl.int32)
+    return i, c - tl.where(i == 0, 0, tl.where(i == 1, ch1, ch2))
+
+
+@triton.jit
+def _slice_columns(i, col0, col1, col2, col3, COLS_ALIGNED: tl.constexpr):
+    """Output columns [col_lo, col_hi) of slice i (slice i occupies [col_i, col_{i+1}))."""
+    col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
+    col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, col3))
+    if COLS_ALIGNED:
+        col_lo = tl.multiple_of(col_lo, 8)
+        col_hi = tl.multiple_of(col_hi, 8)
+    return col_lo, col_hi
+
+
+@triton.jit
+def _sum_partials(
+    h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES: tl.constexpr, N_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, L2_ONLY: tl.constexpr,
+):  # fmt: skip
+    """h of slice i for rows offs_m: the sum of the shrink's partials over its K splits, loaded
+    in one unrolled burst (L2_ONLY: `.cg`, past L1, which may hold a stale line of h when the
+    shrink ran in the same launch)."""
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in tl.static_range(N_SPLIT):
+        base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
+        if L2_ONLY:
+            h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+        else:
+            h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0)
+    return h
+
+
+@triton.jit
 def lora_shrink_kernel(
     x_ptr,  # x: [T, d_in]
     w_base,  # the weight table's base buffer; a_tab holds element offsets from it
@@ -213,19 +251,12 @@ def lora_expand_kernel(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = tl.arange(0, BLOCK_R)
-    # h = sum over K splits of the shrink partials, loaded in one unrolled burst (no wait on the
-    # rank: columns past it, which the shrink may not have written, are zeroed after the load).
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for s in tl.static_range(N_SPLIT):
-        base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
-        h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0)
+    # h: no wait on the rank (columns past it, which the shrink may not have written, are zeroed
+    # after the load)
+    h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, False)
     if m0 >= seg_hi:
         return
-    col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
-    col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, col3))
-    if COLS_ALIGNED:
-        col_lo = tl.multiple_of(col_lo, 8)
-        col_hi = tl.multiple_of(col_hi, 8)
+    col_lo, col_hi = _slice_columns(i, col0, col1, col2, col3, COLS_ALIGNED)
     n_lo = chunk * N_CHUNK
     width = col_hi - col_lo
     if n_lo >= width:  # narrower slices (k, v next to q) have fewer chunks
@@ -325,9 +356,7 @@ def _fused_expand_part(
     # e -> (row tile, column chunk); chunks of all adapted slices are numbered consecutively
     # (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2: [ch2, n_chunks)), so none is idle by design.
     tile = e // n_chunks
-    c = e % n_chunks
-    i = (c >= ch1).to(tl.int32) + (c >= ch2).to(tl.int32)
-    chunk = c - tl.where(i == 0, 0, tl.where(i == 1, ch1, ch2))
+    i, chunk = _chunk_slice(e % n_chunks, ch1, ch2)
     seg = tile // row_tiles
     seg_lo = tl.load(seg_offsets_ptr + seg)
     seg_hi = tl.load(seg_offsets_ptr + seg + 1)
@@ -338,11 +367,7 @@ def _fused_expand_part(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
-    col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
-    col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, col3))
-    if COLS_ALIGNED:
-        col_lo = tl.multiple_of(col_lo, 8)
-        col_hi = tl.multiple_of(col_hi, 8)
+    col_lo, col_hi = _slice_columns(i, col0, col1, col2, col3, COLS_ALIGNED)
     width = col_hi - col_lo
     n_lo = chunk * (BLOCK_N * N_SUB)
     offs_r = tl.arange(0, BLOCK_R)
@@ -385,11 +410,7 @@ def _fused_expand_part(
     # else: a separate launch after the shrink's; stream order (or the PDL wait above) is the wait
     if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()  # only the expand tail is left: the next call may start
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for s in tl.static_range(N_SPLIT):
-        base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
-        h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0,
-                     cache_modifier=".cg")  # fmt: skip
+    h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, True)
     if (m0 < seg_hi) & (rank > 0):
         hs = (tl.where(r_mask[None, :], h, 0.0) * scale).to(y_ptr.dtype.element_ty)
         tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + tl.dot(hs, bt)).to(yt.dtype), mask=y_mask)
@@ -534,9 +555,7 @@ def lora_expand_rows_kernel(
     (n_segs past the last segment's rows)."""
     pid = tl.program_id(0)
     tile = pid // n_chunks
-    c = pid % n_chunks
-    i = (c >= ch1).to(tl.int32) + (c >= ch2).to(tl.int32)
-    chunk = c - tl.where(i == 0, 0, tl.where(i == 1, ch1, ch2))
+    i, chunk = _chunk_slice(pid % n_chunks, ch1, ch2)
     m0 = tile * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_seg = tl.load(row_seg_ptr + offs_m, mask=offs_m < num_rows, other=n_segs)
@@ -546,22 +565,14 @@ def lora_expand_rows_kernel(
     # between (s_lo = n_segs: no row of the tile is in a segment, and the loop below is empty)
     s_lo = tl.load(row_seg_ptr + m0)
     s_hi = tl.minimum(tl.load(row_seg_ptr + tl.minimum(m0 + BLOCK_M, num_rows) - 1), n_segs - 1)
-    col_lo = tl.where(i == 0, col0, tl.where(i == 1, col1, col2))
-    col_hi = tl.where(i == 0, col1, tl.where(i == 1, col2, col3))
-    if COLS_ALIGNED:
-        col_lo = tl.multiple_of(col_lo, 8)
-        col_hi = tl.multiple_of(col_hi, 8)
+    col_lo, col_hi = _slice_columns(i, col0, col1, col2, col3, COLS_ALIGNED)
     offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_hi - col_lo
     offs_r = tl.arange(0, BLOCK_R)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # y and h belong to the shrink launch until it is done
         tl.extra.cuda.gdc_launch_dependents()
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for s in tl.static_range(N_SPLIT):
-        base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
-        h += tl.load(base + offs_m[:, None] * BLOCK_R + offs_r[None, :], mask=m_mask[:, None], other=0.0,
-                     cache_modifier=".cg")  # fmt: skip
+    h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, True)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FOR_LOOP:
         # a counted loop, which the compiler pipelines: B tiles of later segments are in flight
