@@ -8,8 +8,10 @@
 # hung kernel cannot eat the call (about 6-7 minutes on an H200 in all).
 # KERNEL_VARIANTS="decode fused w4,decode w2e" also sweeps those tiling variants (with the
 # GEMM + LoRA table for them); bench engine args such as --also "in-place;decode w2e" follow.
-# NCU="<tiling variant>" adds an Nsight Compute pass over the decode target layer (ncu-short.txt).
-#   usage: [SKIP_TESTS=1] [SKIP_ENGINE=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] [KERNEL_VARIANTS=...] [NCU=...] \
+# NCU="<tiling variant>" adds an Nsight Compute pass over the decode target layer (ncu-short.txt);
+# TIMELINE="<variant>,<variant>" a profiler timeline of the decode layers' launches (timeline.txt).
+#   usage: [SKIP_TESTS=1] [SKIP_ENGINE=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] [KERNEL_VARIANTS=...] \
+#          [NCU=...] [TIMELINE=...] \
 #          scripts/engine_gpu_check.sh [bench engine args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +41,12 @@ if [ -z "${SKIP_KERNELS:-}" ]; then
     2>&1 | tee "$OUT/bench-kernels.log"
 fi
 touch "$OUT/bench-kernels.log"
+if [ -n "${TIMELINE:-}" ]; then
+  # TIMELINE="decode,decode w2e" (tiling variants): when each launch of the decode layers starts
+  # and ends inside a graph replay (profiler trace), a table per variant and case
+  PYTHONPATH=. timeout "${TIMELINE_TIMEOUT:-120}" $PY scripts/lora_timeline.py --variants "$TIMELINE" \
+    --cases "${TIMELINE_CASES:-target,m1}" --out "$OUT/timeline.json" > "$OUT/timeline.txt" 2>&1
+fi
 if [ -n "${NCU:-}" ]; then
   # NCU="decode" (a tiling variant): Nsight Compute on the decode target layer's launches, each
   # kernel alone (clocks left alone, as the device notes ask); a short per-kernel table
@@ -57,6 +65,7 @@ t3=$(date +%s)
   grep -E '(floor|step|/ base|bandwidth)' "$OUT/bench-engine.log"
   echo "bench kernels ($((t3 - t2)) s):"
   grep -E '^(PASS|FAIL)|copy bandwidth|graph replay of|^  (tiling|gemm\+lora|layers) ' "$OUT/bench-kernels.log"
+  if [ -s "$OUT/timeline.txt" ]; then echo "timeline ($TIMELINE):"; cat "$OUT/timeline.txt"; fi
   if [ -s "$OUT/ncu-short.txt" ]; then echo "ncu ($NCU):"; cat "$OUT/ncu-short.txt"; fi
 } | tee "$OUT/summary.txt"
 if [ -n "$PACK_TO" ] && [ "$PACK_TO" != "$OUT" ]; then

@@ -103,6 +103,19 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # ... at any rank tile with 128-column tiles at rank tile 64 (32 KB of B per pipeline stage)
     "decode row-loop any rank te8192": with_overrides(DECODE, row_loop_max_rank=64, row_loop_tile_elems=8192),
     "decode row-loop long segments": with_overrides(DECODE, row_loop_max_avg_rows=64.0),
+    # the row loop's B tiles deeper in flight: the compiler's pipeline with more stages (its chain
+    # of table loads leaves 2 tiles in flight at 6 stages, 3 at 8), or prefetched in registers
+    # (the table entries as vectors, the first tiles before the wait), 2-4 deep, 4 or 8 warps,
+    # 128- or 256-column tiles
+    "decode row-loop stages=6": with_overrides(DECODE, row_loop_stages=6),
+    "decode row-loop stages=8": with_overrides(DECODE, row_loop_stages=8),
+    "decode row-loop pf2": with_overrides(DECODE, row_loop_prefetch=2),
+    "decode row-loop pf3": with_overrides(DECODE, row_loop_prefetch=3),
+    "decode row-loop pf4": with_overrides(DECODE, row_loop_prefetch=4),
+    "decode row-loop pf3 w8": with_overrides(DECODE, row_loop_prefetch=3, row_loop_warps=8),
+    "decode row-loop pf2 te4096 w8": with_overrides(
+        DECODE, row_loop_prefetch=2, row_loop_warps=8, row_loop_tile_elems=4096
+    ),
     "prefill": PREFILL,
 }
 TILING_CASES = (

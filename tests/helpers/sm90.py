@@ -25,14 +25,24 @@ def can_compile_sm90() -> bool:
     return (root / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
-def compile_sm90(fn, constexprs: dict, pointers: dict[str, str], num_warps: int = 4, **options) -> str:  # noqa: ANN001, ANN003
-    """The kernel's PTX for sm_90; arguments not in `pointers` or `constexprs` are i32."""
+def compile_sm90(  # noqa: ANN201
+    fn,  # noqa: ANN001
+    constexprs: dict,
+    pointers: dict[str, str],
+    num_warps: int = 4,
+    divisible: frozenset[str] = frozenset(),
+    **options,  # noqa: ANN003
+) -> str:
+    """The kernel's PTX for sm_90; arguments not in `pointers` or `constexprs` are i32. Arguments
+    named in `divisible` are declared multiples of 16 (pointers: 16-byte aligned), as the JIT
+    declares them when a launch's values are; without that, no load vectorizes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn, signature, constexprs=constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in divisible}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", 90, 32)
     return triton.compile(src, target=target, options=dict(num_warps=num_warps, **options)).asm["ptx"]
 

@@ -61,6 +61,14 @@ def kernels() -> dict[str, tuple]:
             4,
             4,
         )
+        # ... with B tiles prefetched in registers, the first before the wait
+        for prefetch in (1, 2, 4):
+            out[f"expand_rows_pdl{pdl}_prefetch{prefetch}"] = (
+                tk.lora_expand_rows_kernel,
+                dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, PREFETCH=prefetch),
+                4,
+                4,
+            )
     for name, block_m, block_k, split in (("decode", 16, 128, 16), ("prefill", 64, 64, 4)):
         consts = dict(
             COMMON, SLICE_MASK=7, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_RC=16, K_CHUNK=2 * block_k
@@ -71,13 +79,27 @@ def kernels() -> dict[str, tuple]:
     return out
 
 
+# what a launch declares aligned (torch's allocations, and the Llama-3 shapes' strides and sizes)
+DIVISIBLE = frozenset(POINTERS) | {"stride_xm", "stride_ym", "d_in", "num_rows"}
+
+
+def check_prefetch_before_wait(name: str, ptx: str) -> None:
+    """The row-loop expand's prefetched B tiles are vector loads issued before the PDL wait; a
+    scalar load there means the compiler lost the B addresses' alignment."""
+    pre_wait = ptx.split("griddepcontrol.wait", 1)[0]
+    if "ld.global.v4" not in pre_wait or "ld.global.b16" in pre_wait:
+        raise SystemExit(f"{name}: B tiles are not loaded as 16-byte vectors before the wait")
+
+
 def main() -> None:
     dump = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     for name, (fn, consts, warps, stages) in kernels().items():
-        ptx = compile_sm90(fn, consts, POINTERS, warps, num_stages=stages)
+        ptx = compile_sm90(fn, consts, POINTERS, warps, divisible=DIVISIBLE, num_stages=stages)
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             (dump / f"{name}.ptx").write_text(ptx)
+        if "prefetch" in name and consts["USE_PDL"]:
+            check_prefetch_before_wait(name, ptx)
     print("compiled")
 
 

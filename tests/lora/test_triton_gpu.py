@@ -97,11 +97,15 @@ def test_llama3_shapes_rows_1_to_8192(rows: int) -> None:
     _check(_backend(), slots, table, LLAMA3_8B_SHAPES)
 
 
+@pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("rows", [24, 64])
-def test_llama3_gate_up_row_loop_expand(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama3_gate_up_row_loop_expand(rows: int, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # the decode default at rank 16 with segments of about two rows: gate_up (2 x 14336 columns)
-    # takes the row-loop expand, whose row tiles span several segments; the other groups do not
-    be = _backend()
+    # takes the row-loop expand, whose row tiles span several segments; the other groups do not.
+    # Both loop forms: the compiler's pipeline, and B tiles prefetched in registers.
+    from loraplex.lora.triton_config import DECODE, with_overrides
+
+    be = _backend(with_overrides(DECODE, row_loop_prefetch=prefetch))
     launched: list[object] = []
     real = be._k.lora_expand_rows_kernel
 
@@ -228,6 +232,9 @@ def test_cuda_graph_replay_follows_new_inputs(pdl: bool) -> None:
         assert row_errors(y, reference(y0, x, meta, table, 0, "qkv", offs)).max().item() <= TOL
 
 
+ROW_LOOP_EVERYWHERE = dict(
+    fused_split_launch=True, row_loop_min_width=1, row_loop_max_rank=64, row_loop_max_avg_rows=64.0
+)
 WHOLE_LAYER_VARIANTS = {
     "one launch, pdl": dict(pdl=True, fused_split_launch=False, fused_warps=4),
     "one launch, no pdl": dict(pdl=False, fused_split_launch=False, fused_warps=4),
@@ -238,11 +245,19 @@ WHOLE_LAYER_VARIANTS = {
         pdl=True, fused_split_launch=True, fused_warps=4, split_expand_warps=2
     ),
     "pdl, split launch, segment tables": dict(pdl=True, fused_split_launch=True, seg_tables=True),
-    "pdl, split launch, row-loop expand": dict(pdl=True, fused_split_launch=True, row_loop_min_width=1),
+    # the row-loop expand for every group at every rank tile (the mixed ranks here reach 64)
+    "pdl, split launch, row-loop expand": dict(pdl=True, **ROW_LOOP_EVERYWHERE),
     "pdl, split launch, row-loop expand, segment tables": dict(
-        pdl=True, fused_split_launch=True, row_loop_min_width=1, seg_tables=True
+        pdl=True, seg_tables=True, **ROW_LOOP_EVERYWHERE
     ),
-    "split launch, row-loop expand": dict(pdl=False, fused_split_launch=True, row_loop_min_width=1),
+    "split launch, row-loop expand": dict(pdl=False, **ROW_LOOP_EVERYWHERE),
+    "pdl, split launch, row-loop expand, prefetch 2": dict(
+        pdl=True, row_loop_prefetch=2, **ROW_LOOP_EVERYWHERE
+    ),
+    "pdl, split launch, row-loop expand, prefetch 4, segment tables": dict(
+        pdl=True, row_loop_prefetch=4, seg_tables=True, **ROW_LOOP_EVERYWHERE
+    ),
+    "split launch, row-loop expand, prefetch 3": dict(pdl=False, row_loop_prefetch=3, **ROW_LOOP_EVERYWHERE),
     "pdl, split launch, 2 tiles per expand program": dict(
         pdl=True, fused_split_launch=True, fused_expand_sub=2
     ),

@@ -1,0 +1,134 @@
+"""When each launch of a LoRA layer starts and ends inside a CUDA-graph replay, from the profiler's
+kernel trace: the critical path of the decode layer (8 launches chained by PDL waits), which the
+graph replay time alone does not show.
+
+For each tiling variant and case: the layer's graph is replayed `--reps` times under
+`torch.profiler`, each replay after the same L2 flush as `bench kernels`; per launch (in layer
+order), the median start and end relative to the replay's first LoRA kernel start, the median
+duration, the grid and the registers per thread. Also the span (first start to last end) and
+the gap from the flush's end to the first LoRA kernel (the graph launch's share of the fixed cost).
+A short table per (variant, case) goes to stdout; everything to --out as JSON.
+
+    usage: PYTHONPATH=. python scripts/lora_timeline.py [--variants "decode,decode no row-loop"]
+           [--cases target,m1] [--reps 30] [--out timeline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from loraplex.bench.kernel_cases import (
+    GROUPS,
+    LLAMA3_8B,
+    TARGET_DECODE,
+    TARGET_MIXED,
+    KernelCase,
+    slice_offsets,
+)
+from loraplex.bench.kernels import TILING_VARIANTS, KernelBench
+
+CASES = {"target": TARGET_DECODE, "m1": KernelCase("decode", 1, 1, "16"), "mixed": TARGET_MIXED}
+
+
+def _kernel_events(trace_path: Path) -> list[dict]:
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    return sorted(kernels, key=lambda e: e["ts"])
+
+
+def _replays(kernels: list[dict]) -> list[tuple[dict | None, list[dict]]]:
+    """Split the trace into (the last other kernel before: the flush, LoRA kernels of one replay)."""
+    out: list[tuple[dict | None, list[dict]]] = []
+    before: dict | None = None
+    cur: list[dict] = []
+    for k in kernels:
+        if k["name"].startswith("lora_"):
+            if not cur:
+                out.append((before, cur))
+            cur.append(k)
+        else:
+            before, cur = k, []
+    return out
+
+
+def timeline(bench: KernelBench, case: KernelCase, variant: str, reps: int) -> dict:
+    tiling = TILING_VARIANTS[variant]
+    table = bench.table(case.ranks)
+    meta, _, be = bench._prepared(case, table, tiling)
+    xs, ys = bench._io(case.rows)
+    offs = {g: slice_offsets(w) for g, (_, w) in LLAMA3_8B.items()}
+
+    def layer() -> None:
+        for g in GROUPS:
+            be.apply(ys[g], xs[g], meta, table, 0, g, offs[g])
+
+    layer()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer()
+    flush = bench.timer._flush
+    for _ in range(5):
+        flush.max()
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.max()
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        replays = _replays(_kernel_events(path))
+    n = statistics.mode(len(r) for _, r in replays)
+    replays = [(f, r) for f, r in replays if len(r) == n]
+    rows = []
+    for i in range(n):
+        starts = [r[i]["ts"] - r[0]["ts"] for _, r in replays]
+        ends = [r[i]["ts"] + r[i]["dur"] - r[0]["ts"] for _, r in replays]
+        args = replays[0][1][i].get("args", {})
+        rows.append({
+            "launch": i, "group": GROUPS[i * len(GROUPS) // n] if n % len(GROUPS) == 0 else "",
+            "name": replays[0][1][i]["name"], "grid": args.get("grid"),
+            "registers": args.get("registers per thread"),
+            "start_us": statistics.median(starts), "end_us": statistics.median(ends),
+            "dur_us": statistics.median(r[i]["dur"] for _, r in replays),
+        })  # fmt: skip
+    span = statistics.median(max(k["ts"] + k["dur"] for k in r) - r[0]["ts"] for _, r in replays)
+    gaps = [r[0]["ts"] - (f["ts"] + f["dur"]) for f, r in replays if f is not None]
+    return {"variant": variant, "case": case.label, "replays": len(replays), "launches": rows,
+            "span_us": span, "flush_to_first_us": statistics.median(gaps) if gaps else None}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="decode")
+    ap.add_argument("--cases", default="target,m1")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default="timeline.json")
+    a = ap.parse_args()
+    bench = KernelBench(torch.device("cuda"), reps=a.reps, warmup=5)
+    results = []
+    for variant in [v.strip() for v in a.variants.split(",") if v.strip()]:
+        for case_name in a.cases.split(","):
+            r = timeline(bench, CASES[case_name], variant, a.reps)
+            results.append(r)
+            print(f"\n{variant} / {r['case']}: span {r['span_us']:.1f} us, flush end -> first LoRA kernel "
+                  f"{r['flush_to_first_us']} us ({r['replays']} replays)")  # fmt: skip
+            print(f"  {'launch':28s} {'grid':>12s} {'regs':>5s} {'start':>7s} {'end':>7s} {'dur':>7s}")
+            for k in r["launches"]:
+                label = f"{k['group']} {k['name'].replace('lora_', '').replace('_kernel', '')}"
+                print(f"  {label:28s} {str(k['grid']):>12s} {str(k['registers']):>5s} {k['start_us']:7.1f} "
+                      f"{k['end_us']:7.1f} {k['dur_us']:7.1f}")  # fmt: skip
+    Path(a.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
