@@ -116,6 +116,16 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode row-loop pf2 te4096 w8": with_overrides(
         DECODE, row_loop_prefetch=2, row_loop_warps=8, row_loop_tile_elems=4096
     ),
+    # ... with the registers capped so that all of gate_up's row-loop programs stay resident at
+    # once (the deeper forms above need more than 72 per thread, which makes two waves)
+    **{
+        f"decode row-loop stages={st} maxnreg{mr}": with_overrides(
+            DECODE, row_loop_stages=st, row_loop_maxnreg=mr
+        )
+        for st, mr in ((4, 64), (6, 72), (8, 72), (10, 72), (8, 64))
+    },
+    # the shrink with 3 stages (2 buffers: its K chunks are 2-5 steps) and less shared memory
+    "decode shrink stages=3": with_overrides(DECODE, split_shrink_stages=3),
     "prefill": PREFILL,
 }
 TILING_CASES = (

@@ -526,7 +526,8 @@ class TritonLoRABackend:
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
-            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps, **common,
+            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps,
+            **dict(common, num_stages=tiling.split_shrink_stages or common["num_stages"]),
         )  # fmt: skip
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments, step.block_r, sum(widths)):
             self._launch_expand_rows(
@@ -571,6 +572,7 @@ class TritonLoRABackend:
                 num_stages=tiling.row_loop_stages or common["num_stages"],
                 num_warps=tiling.row_loop_warps or common["num_warps"],
             ),
+            **({"maxnreg": tiling.row_loop_maxnreg} if tiling.row_loop_maxnreg else {}),
         )  # fmt: skip
 
     @staticmethod

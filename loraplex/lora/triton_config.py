@@ -80,6 +80,10 @@ class LoRATiling:
     row_loop_prefetch: int = 0
     row_loop_stages: int = 0  # pipeline stages of the row-loop expand (0: fused_stages)
     row_loop_warps: int = 0  # warps of the row-loop expand (0: those of the split launch's expand)
+    # registers per thread the row-loop expand may use (0: the compiler's choice): all of gate_up's
+    # programs resident at once (one wave) needs at most 72 at 4 warps
+    row_loop_maxnreg: int = 0
+    split_shrink_stages: int = 0  # pipeline stages of the split launch's shrink (0: fused_stages)
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call
