@@ -126,6 +126,13 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     },
     # the shrink with 3 stages (2 buffers: its K chunks are 2-5 steps) and less shared memory
     "decode shrink stages=3": with_overrides(DECODE, split_shrink_stages=3),
+    # Y updated by atomic adds (no read of Y after the wait); with one B tile prefetched before
+    # the wait in the row loop; K chunks of at least 4 steps (half the h partials to sum)
+    "decode atomic-y": with_overrides(DECODE, atomic_y=True),
+    "decode row-loop pf1": with_overrides(DECODE, row_loop_prefetch=1),
+    "decode atomic-y row-loop pf1": with_overrides(DECODE, atomic_y=True, row_loop_prefetch=1),
+    "decode k4": with_overrides(DECODE, fused_min_k_steps=4),
+    "decode atomic-y k4": with_overrides(DECODE, atomic_y=True, fused_min_k_steps=4),
     "prefill": PREFILL,
 }
 TILING_CASES = (

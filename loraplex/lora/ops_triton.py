@@ -540,7 +540,7 @@ class TritonLoRABackend:
             tabs.scales, n_cols, y.stride(0), meta.num_lora_rows, call.row_tiles, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n, N_SUB=plan.n_sub,
-            num_warps=expand_warps, **common,
+            ATOMIC_Y=tiling.atomic_y, num_warps=expand_warps, **common,
         )  # fmt: skip
 
     def _launch_expand_rows(
@@ -566,7 +566,7 @@ class TritonLoRABackend:
             tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=y.device.type == "cuda",
-            PREFETCH=tiling.row_loop_prefetch,
+            PREFETCH=tiling.row_loop_prefetch, ATOMIC_Y=tiling.atomic_y,
             **dict(
                 common,
                 num_stages=tiling.row_loop_stages or common["num_stages"],

@@ -84,6 +84,9 @@ class LoRATiling:
     # programs resident at once (one wave) needs at most 72 at 4 warps
     row_loop_maxnreg: int = 0
     split_shrink_stages: int = 0  # pipeline stages of the split launch's shrink (0: fused_stages)
+    # split launch: the expand adds into Y with one atomic add per element instead of a read and
+    # a write (no read round trip after the wait; Y's dtype rounds the LoRA term first)
+    atomic_y: bool = False
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call

@@ -290,6 +290,28 @@ CNT_STRIDE: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
+def _read_y(ptrs, mask, ATOMIC_Y: tl.constexpr):
+    """A tile of Y for `_write_y` (ATOMIC_Y: nothing is read; zeros stand in)."""
+    if ATOMIC_Y:
+        return tl.zeros(ptrs.shape, dtype=ptrs.dtype.element_ty)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _write_y(ptrs, yt, delta, mask, ATOMIC_Y: tl.constexpr):
+    """Y += delta (float32) on a tile: yt (read by `_read_y`) plus delta, rounded once, stored;
+    or (ATOMIC_Y) delta rounded to Y's dtype and added by one atomic add per element, which
+    saves the read's round trip on the critical path and its bytes. Every element of Y has one
+    writer in a launch, so the result does not depend on timing; it rounds twice, as adding a
+    LoRA output in Y's dtype (PEFT's order) does."""
+    if ATOMIC_Y:
+        tl.atomic_add(ptrs, delta.to(ptrs.dtype.element_ty), mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, (yt.to(tl.float32) + delta).to(yt.dtype), mask=mask)
+
+
+@triton.jit
 def _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES: tl.constexpr):
     """The column of the weight tables this segment reads: its slot, or with per-step segment
     tables (gathered once per step by `begin_step`, one column per segment) the segment itself,
@@ -351,7 +373,7 @@ def _fused_expand_part(
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
     N_SPLIT: tl.constexpr, ARRIVALS: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
-    SEG_TABLES: tl.constexpr = False,
+    SEG_TABLES: tl.constexpr = False, ATOMIC_Y: tl.constexpr = False,
 ):  # fmt: skip
     # e -> (row tile, column chunk); chunks of all adapted slices are numbered consecutively
     # (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2: [ch2, n_chunks)), so none is idle by design.
@@ -389,10 +411,12 @@ def _fused_expand_part(
         tl.extra.cuda.gdc_wait()  # y, h and the counters belong to the kernel before until it is done
     y_rows = y_ptr + rows[:, None] * stride_ym + col_lo
     y_mask = m_mask[:, None] & n_mask[None, :]
-    yt = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
     if N_SUB == 2:
         y_mask2 = m_mask[:, None] & n_mask2[None, :]
-        yt2 = tl.load(y_rows + offs_n2[None, :], mask=y_mask2, other=0.0)
+    # Y right after the wait, beside h (ATOMIC_Y: never read; the sum goes in as an atomic add)
+    yt = _read_y(y_rows + offs_n[None, :], y_mask, ATOMIC_Y)
+    if N_SUB == 2:
+        yt2 = _read_y(y_rows + offs_n2[None, :], y_mask2, ATOMIC_Y)
     cnt = cnt_ptr + tile * CNT_STRIDE
     if COUNTERS:
         # Wait until every shrink program of this row tile has arrived (they precede every expand
@@ -413,10 +437,9 @@ def _fused_expand_part(
     h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, True)
     if (m0 < seg_hi) & (rank > 0):
         hs = (tl.where(r_mask[None, :], h, 0.0) * scale).to(y_ptr.dtype.element_ty)
-        tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + tl.dot(hs, bt)).to(yt.dtype), mask=y_mask)
+        _write_y(y_rows + offs_n[None, :], yt, tl.dot(hs, bt), y_mask, ATOMIC_Y)
         if N_SUB == 2:
-            tl.store(y_rows + offs_n2[None, :], (yt2.to(tl.float32) + tl.dot(hs, bt2)).to(yt2.dtype),
-                     mask=y_mask2)  # fmt: skip
+            _write_y(y_rows + offs_n2[None, :], yt2, tl.dot(hs, bt2), y_mask2, ATOMIC_Y)
         # The rest of the chunk (N_SUB > 2): a compile-time trip count, so the compiler pipelines
         # these loads.
         FIRST_IN_LOOP: tl.constexpr = BLOCK_N * 2 if N_SUB == 2 else BLOCK_N
@@ -424,10 +447,10 @@ def _fused_expand_part(
             offs_n = n_lo + nn + tl.arange(0, BLOCK_N)
             n_mask = offs_n < width
             y_mask = m_mask[:, None] & n_mask[None, :]
-            yt = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
+            yt = _read_y(y_rows + offs_n[None, :], y_mask, ATOMIC_Y)
             b_mask = r_mask[:, None] & n_mask[None, :]
             bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=b_mask, other=0.0)
-            tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + tl.dot(hs, bt)).to(yt.dtype), mask=y_mask)
+            _write_y(y_rows + offs_n[None, :], yt, tl.dot(hs, bt), y_mask, ATOMIC_Y)
 
 
 @triton.jit
@@ -525,7 +548,7 @@ def lora_expand_pdl_kernel(
     stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
-    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
+    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, ATOMIC_Y: tl.constexpr = False,
 ):  # fmt: skip
     """The fused kernel's expand programs as their own launch (grid: n_expand), after
     `lora_shrink_pdl_kernel`: the PDL wait (or stream order) replaces the arrival counters."""
@@ -533,7 +556,7 @@ def lora_expand_pdl_kernel(
         tl.program_id(0), y_ptr, w_base, h_ptr, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr,
         b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2,
         n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N, BLOCK_R, N_SUB, N_SPLIT, 1,
-        USE_PDL, False, SEG_TABLES,
+        USE_PDL, False, SEG_TABLES, ATOMIC_Y,
     )  # fmt: skip
 
 
@@ -544,6 +567,7 @@ def lora_expand_rows_kernel(
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    ATOMIC_Y: tl.constexpr = False,
 ):  # fmt: skip
     """Expand over row tiles that span segments (grid: row tiles x column chunks of all adapted
     slices), after `lora_shrink_pdl_kernel`: a program takes BLOCK_M consecutive rows of the
@@ -657,8 +681,7 @@ def lora_expand_rows_kernel(
     # double the registers per thread (compiled for sm_90: 80 -> 168 with 128-column tiles)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + col_lo + offs_n[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
-    yt = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+    _write_y(y_ptrs, _read_y(y_ptrs, y_mask, ATOMIC_Y), acc, y_mask, ATOMIC_Y)
 
 
 @triton.jit

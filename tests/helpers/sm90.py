@@ -9,6 +9,7 @@ tests start them in a subprocess (`run_compile_script`).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -40,6 +41,11 @@ def compile_sm90(  # noqa: ANN201
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # constexprs left out take their defaults (the JIT does; the compiler would make them i32s)
+    defaults = {
+        p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty
+    }
+    constexprs = {**defaults, **constexprs}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in divisible}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)

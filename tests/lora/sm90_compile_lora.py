@@ -53,11 +53,20 @@ def kernels() -> dict[str, tuple]:
         # two tiles per program (both B tiles loaded before the wait), and a looped third
         for sub in (2, 3):
             out[f"expand_pdl{pdl}_sub{sub}"] = (tk.lora_expand_pdl_kernel, dict(consts, N_SUB=sub), 4, 3)
+        # Y updated by atomic adds (no read of Y)
+        out[f"expand_pdl{pdl}_atomic_y"] = (tk.lora_expand_pdl_kernel, dict(consts, ATOMIC_Y=True), 4, 3)
         # row tiles spanning segments, a pipelined loop over their segments
         consts = dict(COMMON, COLS_ALIGNED=True, BLOCK_M=16, BLOCK_N=128, N_SPLIT=16, USE_PDL=pdl)
         out[f"expand_rows_pdl{pdl}"] = (
             tk.lora_expand_rows_kernel,
             dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True),
+            4,
+            4,
+        )
+        # Y updated by atomic adds
+        out[f"expand_rows_pdl{pdl}_atomic_y"] = (
+            tk.lora_expand_rows_kernel,
+            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True),
             4,
             4,
         )

@@ -97,15 +97,16 @@ def test_llama3_shapes_rows_1_to_8192(rows: int) -> None:
     _check(_backend(), slots, table, LLAMA3_8B_SHAPES)
 
 
-@pytest.mark.parametrize("prefetch", [0, 3])
+@pytest.mark.parametrize("form", [dict(), dict(row_loop_prefetch=3), dict(atomic_y=True)], ids=str)
 @pytest.mark.parametrize("rows", [24, 64])
-def test_llama3_gate_up_row_loop_expand(rows: int, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama3_gate_up_row_loop_expand(rows: int, form: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     # the decode default at rank 16 with segments of about two rows: gate_up (2 x 14336 columns)
     # takes the row-loop expand, whose row tiles span several segments; the other groups do not.
-    # Both loop forms: the compiler's pipeline, and B tiles prefetched in registers.
+    # Both loop forms (the compiler's pipeline, B tiles prefetched in registers), and Y updated by
+    # atomic adds.
     from loraplex.lora.triton_config import DECODE, with_overrides
 
-    be = _backend(with_overrides(DECODE, row_loop_prefetch=prefetch))
+    be = _backend(with_overrides(DECODE, **form))
     launched: list[object] = []
     real = be._k.lora_expand_rows_kernel
 
@@ -258,6 +259,10 @@ WHOLE_LAYER_VARIANTS = {
         pdl=True, row_loop_prefetch=4, seg_tables=True, **ROW_LOOP_EVERYWHERE
     ),
     "split launch, row-loop expand, prefetch 3": dict(pdl=False, row_loop_prefetch=3, **ROW_LOOP_EVERYWHERE),
+    "pdl, split launch, atomic Y": dict(pdl=True, fused_split_launch=True, atomic_y=True),
+    "pdl, split launch, row-loop expand, prefetch 1, atomic Y": dict(
+        pdl=True, row_loop_prefetch=1, atomic_y=True, **ROW_LOOP_EVERYWHERE
+    ),
     "pdl, split launch, 2 tiles per expand program": dict(
         pdl=True, fused_split_launch=True, fused_expand_sub=2
     ),

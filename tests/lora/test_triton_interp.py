@@ -259,6 +259,15 @@ HANDOFFS = {
         )
         for p in (1, 2, 3, 4)
     },
+    # Y updated by atomic adds instead of a read and a write, both expand kernels
+    "split launch, atomic Y": dict(fused_split_launch=True, atomic_y=True),
+    "split launch, row-loop expand, prefetch 2, atomic Y": dict(
+        fused_split_launch=True,
+        row_loop_min_width=1,
+        row_loop_tile_elems=256,
+        row_loop_prefetch=2,
+        atomic_y=True,
+    ),
     "split launch, row-loop expand, prefetch 3, segment tables": dict(
         fused_split_launch=True,
         row_loop_min_width=1,
