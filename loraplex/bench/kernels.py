@@ -128,11 +128,16 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode shrink stages=3": with_overrides(DECODE, split_shrink_stages=3),
     # Y updated by atomic adds (no read of Y after the wait); with one B tile prefetched before
     # the wait in the row loop; K chunks of at least 4 steps (half the h partials to sum)
-    "decode atomic-y": with_overrides(DECODE, atomic_y=True),
+    "decode no atomic-y": with_overrides(DECODE, atomic_y=False),
     "decode row-loop pf1": with_overrides(DECODE, row_loop_prefetch=1),
-    "decode atomic-y row-loop pf1": with_overrides(DECODE, atomic_y=True, row_loop_prefetch=1),
     "decode k4": with_overrides(DECODE, fused_min_k_steps=4),
-    "decode atomic-y k4": with_overrides(DECODE, atomic_y=True, fused_min_k_steps=4),
+    # fewer, longer shrink programs (a grid budget of 2-4 per SM: all resident beside the expand
+    # before them, so none pays its metadata loads after the wait), with deeper pipelines
+    "decode budget2 shrink-st6": with_overrides(DECODE, fused_per_sm=2, split_shrink_stages=6),
+    "decode budget3 shrink-st5": with_overrides(DECODE, fused_per_sm=3, split_shrink_stages=5),
+    "decode budget4": with_overrides(DECODE, fused_per_sm=4),
+    "decode budget2": with_overrides(DECODE, fused_per_sm=2),
+    "decode row-loop te4096 w8": with_overrides(DECODE, row_loop_tile_elems=4096, row_loop_warps=8),
     "prefill": PREFILL,
 }
 TILING_CASES = (
