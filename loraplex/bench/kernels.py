@@ -137,6 +137,13 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode budget3 shrink-st5": with_overrides(DECODE, fused_per_sm=3, split_shrink_stages=5),
     "decode budget4": with_overrides(DECODE, fused_per_sm=4),
     "decode budget2": with_overrides(DECODE, fused_per_sm=2),
+    # ... at rank tile 16 only
+    **{
+        f"decode r16 budget{b} shrink-st{st}": with_overrides(
+            DECODE, narrow_per_sm=b, narrow_shrink_stages=st
+        )
+        for b, st in ((2, 6), (2, 8), (2, 5), (3, 6), (3, 8))
+    },
     "decode row-loop te4096 w8": with_overrides(DECODE, row_loop_tile_elems=4096, row_loop_warps=8),
     "prefill": PREFILL,
 }

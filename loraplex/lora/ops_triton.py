@@ -477,7 +477,7 @@ class TritonLoRABackend:
             return True
         kernel = self._k.lora_fused_kernel
         if first and cuda:
-            fits, per_sm = False, tiling.fused_per_sm
+            fits, per_sm = False, tiling.per_sm_for(step.block_r)
             for _ in range(3):  # the program's resources depend a little on the plan's tile counts
                 pos, kw = args(plan)
                 occ = self._programs_per_sm(kernel.warmup(*pos, grid=(plan.programs,), **kw), x.device)
@@ -527,7 +527,7 @@ class TritonLoRABackend:
             n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps,
-            **dict(common, num_stages=tiling.split_shrink_stages or common["num_stages"]),
+            **dict(common, num_stages=tiling.shrink_stages_for(step.block_r)),
         )  # fmt: skip
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments, step.block_r, sum(widths)):
             self._launch_expand_rows(

@@ -87,6 +87,21 @@ class LoRATiling:
     # split launch: the expand adds into Y with one atomic add per element instead of a read and
     # a write (no read round trip after the wait; Y's dtype rounds the LoRA term first)
     atomic_y: bool = False
+    # at rank tile 16 only (0: as at any rank tile): the grid budget per SM and the split shrink's
+    # stages. There, fewer and longer shrink programs with deeper pipelines pay; at larger rank
+    # tiles each K chunk is several rank-chunk programs, and the same budget leaves too few chunks.
+    narrow_per_sm: int = 0
+    narrow_shrink_stages: int = 0
+
+    def per_sm_for(self, block_r: int) -> int:
+        """Fused grid budget (programs per SM) for a step of this rank tile."""
+        return self.narrow_per_sm if block_r <= 16 and self.narrow_per_sm else self.fused_per_sm
+
+    def shrink_stages_for(self, block_r: int) -> int:
+        """Pipeline stages of the split launch's shrink for a step of this rank tile."""
+        if block_r <= 16 and self.narrow_shrink_stages:
+            return self.narrow_shrink_stages
+        return self.split_shrink_stages or self.fused_stages
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call
@@ -186,7 +201,7 @@ def plan_fused(
     """
     if not tiling.fused:
         return None
-    budget = num_sms * (per_sm if per_sm is not None else tiling.fused_per_sm)
+    budget = num_sms * (per_sm if per_sm is not None else tiling.per_sm_for(block_r))
     # The grid is shared in proportion to the bytes each side streams (A: d_in per adapted slice,
     # B: the slices' widths; the rank cancels), so shrink and expand programs carry similar loads.
     # K is split as finely as the shrink share allows (any count, not only powers of two),

@@ -100,3 +100,22 @@ def test_row_loop_applies_to_wide_groups_with_short_segments_at_small_rank_tiles
     assert not row_loop_applies(DECODE, rows=64, segments=32, block_r=64, width=28672)  # mixed ranks
     assert not row_loop_applies(DECODE, rows=64, segments=32, block_r=16, width=6144)  # qkv
     assert not row_loop_applies(with_overrides(DECODE, row_loop_min_width=0), rows=64, segments=32)
+
+
+def test_narrow_budget_and_stages_apply_at_rank_tile_16_only() -> None:
+    tiling = with_overrides(
+        DECODE, fused_per_sm=6, narrow_per_sm=2, split_shrink_stages=4, narrow_shrink_stages=6
+    )
+    assert (tiling.per_sm_for(16), tiling.shrink_stages_for(16)) == (2, 6)
+    assert (tiling.per_sm_for(64), tiling.shrink_stages_for(64)) == (6, 4)
+    # the decode target's gate_up (K = 4096, 32 row tiles, 132 SMs): a budget of 2 per SM leaves
+    # 8 K chunks of 512; at rank tile 64 (4 rank chunks per K chunk) the budget of 6 still applies
+    narrow = plan_fused(tiling, 32, 1, 4096, (14336, 14336), 16, 132)
+    assert narrow is not None and narrow.split.n_split == 8 and narrow.n_shrink == 256
+    wide = plan_fused(tiling, 32, 4, 4096, (14336, 14336), 64, 132)
+    assert (
+        wide is not None
+        and wide.split.n_split == plan_fused(DECODE, 32, 4, 4096, (14336, 14336), 64, 132).split.n_split
+    )
+    unset = with_overrides(tiling, narrow_per_sm=0, narrow_shrink_stages=0)
+    assert (unset.per_sm_for(16), unset.shrink_stages_for(16)) == (6, 4)
