@@ -142,7 +142,13 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
         f"decode r16 budget{b} shrink-st{st}": with_overrides(
             DECODE, narrow_per_sm=b, narrow_shrink_stages=st
         )
-        for b, st in ((2, 6), (2, 8), (2, 5), (3, 6), (3, 8))
+        for b, st in ((2, 6), (2, 8), (2, 5), (3, 6), (3, 8), (2, 10))
+    },
+    **{
+        f"decode r16 budget2/slice shrink-st{st}": with_overrides(
+            DECODE, narrow_per_sm=2, narrow_shrink_stages=st, narrow_per_slice=True
+        )
+        for st in (6, 8)
     },
     "decode row-loop te4096 w8": with_overrides(DECODE, row_loop_tile_elems=4096, row_loop_warps=8),
     "prefill": PREFILL,

@@ -527,7 +527,7 @@ class TritonLoRABackend:
             n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps,
-            **dict(common, num_stages=tiling.shrink_stages_for(step.block_r)),
+            **dict(common, num_stages=tiling.shrink_stages_for(step.block_r, plan.split.k_chunk // tiling.block_k)),
         )  # fmt: skip
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments, step.block_r, sum(widths)):
             self._launch_expand_rows(

@@ -92,15 +92,19 @@ class LoRATiling:
     # tiles each K chunk is several rank-chunk programs, and the same budget leaves too few chunks.
     narrow_per_sm: int = 0
     narrow_shrink_stages: int = 0
+    # ... that budget counted per adapted slice (a qkv shrink program reads three slices' A), so
+    # every shrink program reads about the same bytes whatever the group
+    narrow_per_slice: bool = False
 
     def per_sm_for(self, block_r: int) -> int:
         """Fused grid budget (programs per SM) for a step of this rank tile."""
         return self.narrow_per_sm if block_r <= 16 and self.narrow_per_sm else self.fused_per_sm
 
-    def shrink_stages_for(self, block_r: int) -> int:
-        """Pipeline stages of the split launch's shrink for a step of this rank tile."""
+    def shrink_stages_for(self, block_r: int, k_steps: int | None = None) -> int:
+        """Pipeline stages of the split launch's shrink for a step of this rank tile; the narrow
+        setting at most k_steps + 2 (more buffers than K steps would only take shared memory)."""
         if block_r <= 16 and self.narrow_shrink_stages:
-            return self.narrow_shrink_stages
+            return min(self.narrow_shrink_stages, k_steps + 2) if k_steps else self.narrow_shrink_stages
         return self.split_shrink_stages or self.fused_stages
 
     def __hash__(self) -> int:
@@ -202,6 +206,8 @@ def plan_fused(
     if not tiling.fused:
         return None
     budget = num_sms * (per_sm if per_sm is not None else tiling.per_sm_for(block_r))
+    if per_sm is None and block_r <= 16 and tiling.narrow_per_sm and tiling.narrow_per_slice:
+        budget *= max(1, sum(1 for w in widths if w))
     # The grid is shared in proportion to the bytes each side streams (A: d_in per adapted slice,
     # B: the slices' widths; the rank cancels), so shrink and expand programs carry similar loads.
     # K is split as finely as the shrink share allows (any count, not only powers of two),
