@@ -47,8 +47,9 @@ LAYERS_PER_GRAPH = 4
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
     # today's default: the fused plan as two PDL launches (2-warp shrink, 4-warp expand) for rank
-    # tiles up to 64, 256-column expand tiles, 4 stages; gate_up at rank tile 16 with short
-    # segments on the row-loop expand (128-column tiles)
+    # tiles up to 64, 256-column expand tiles, 4 stages, Y updated by atomic adds; gate_up at rank
+    # tile 16 with short segments on the row-loop expand (128-column tiles); at rank tile 16 a
+    # shrink budget of 2 programs per SM with up to 8 stages
     "decode": DECODE,
     # earlier defaults, to compare against: one launch with arrival counters and 4 warps (rank
     # tile 16 only); the split launch as first made the default (2-warp expands, 64-column tiles
@@ -129,6 +130,8 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # Y updated by atomic adds (no read of Y after the wait); with one B tile prefetched before
     # the wait in the row loop; K chunks of at least 4 steps (half the h partials to sum)
     "decode no atomic-y": with_overrides(DECODE, atomic_y=False),
+    # the default of the evening of 2026-11-29 (before atomic Y and the rank-16 shrink budget)
+    "decode previous": with_overrides(DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0),
     "decode row-loop pf1": with_overrides(DECODE, row_loop_prefetch=1),
     "decode k4": with_overrides(DECODE, fused_min_k_steps=4),
     # fewer, longer shrink programs (a grid budget of 2-4 per SM: all resident beside the expand
