@@ -130,6 +130,7 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # Y updated by atomic adds (no read of Y after the wait); with one B tile prefetched before
     # the wait in the row loop; K chunks of at least 4 steps (half the h partials to sum)
     "decode no atomic-y": with_overrides(DECODE, atomic_y=False),
+    "decode no narrow": with_overrides(DECODE, narrow_per_sm=0, narrow_shrink_stages=0),
     # the default of the evening of 2026-11-29 (before atomic Y and the rank-16 shrink budget)
     "decode previous": with_overrides(DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0),
     "decode row-loop pf1": with_overrides(DECODE, row_loop_prefetch=1),
