@@ -131,8 +131,11 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # the wait in the row loop; K chunks of at least 4 steps (half the h partials to sum)
     "decode no atomic-y": with_overrides(DECODE, atomic_y=False),
     "decode no narrow": with_overrides(DECODE, narrow_per_sm=0, narrow_shrink_stages=0),
+    "decode no seg-tables": with_overrides(DECODE, seg_tables=False),
     # the default of the evening of 2026-11-29 (before atomic Y and the rank-16 shrink budget)
-    "decode previous": with_overrides(DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0),
+    "decode previous": with_overrides(
+        DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0, seg_tables=False
+    ),
     "decode row-loop pf1": with_overrides(DECODE, row_loop_prefetch=1),
     "decode k4": with_overrides(DECODE, fused_min_k_steps=4),
     # fewer, longer shrink programs (a grid budget of 2-4 per SM: all resident beside the expand

@@ -123,13 +123,14 @@ class LoRATiling:
 # expand programs wait for. gate_up (the only group 8192+ columns wide) at rank tile 16 with
 # short segments takes the row-loop expand with 128-column tiles. The expands add into Y with
 # atomic adds (no read of Y). At rank tile 16 the shrink has a budget of 2 programs per SM (fewer,
-# longer K chunks) and up to 8 pipeline stages.
+# longer K chunks) and up to 8 pipeline stages. The kernels read per-step segment tables
+# (`begin_step` gathers them), one dependent load fewer per program.
 DECODE = LoRATiling(
     "decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1,
     fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32, fused_warps=2, fused_split_launch=True,
     split_expand_warps=4, fused_max_rank=64, fused_tile_elems=16384, fused_stages=4,
     row_loop_min_width=8192, row_loop_max_rank=16, row_loop_tile_elems=2048, atomic_y=True,
-    narrow_per_sm=2, narrow_shrink_stages=8,
+    narrow_per_sm=2, narrow_shrink_stages=8, seg_tables=True,
 )  # fmt: skip
 PREFILL = LoRATiling("prefill", 64, 64, 16, 128, 256, 4, 3, 4, 3, 4)
 TILINGS = {t.name: t for t in (DECODE, PREFILL)}
