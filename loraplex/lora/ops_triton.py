@@ -172,7 +172,7 @@ class TritonLoRABackend:
         tables and find the rows' segments themselves."""
         self._seg = self._row_seg = None
         tiling = self.tiling or DECODE
-        if not tiling.fused_split_launch or meta.num_segments == 0:
+        if not (tiling.fused and tiling.fused_split_launch) or meta.num_segments == 0:
             return
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments):
             self._row_segments(meta, step_begins=True)  # the row-loop expand may run this step
