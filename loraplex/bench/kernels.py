@@ -105,18 +105,10 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode row-loop any rank te8192": with_overrides(DECODE, row_loop_max_rank=64, row_loop_tile_elems=8192),
     "decode row-loop long segments": with_overrides(DECODE, row_loop_max_avg_rows=64.0),
     # the row loop's B tiles deeper in flight: the compiler's pipeline with more stages (its chain
-    # of table loads leaves 2 tiles in flight at 6 stages, 3 at 8), or prefetched in registers
-    # (the table entries as vectors, the first tiles before the wait), 2-4 deep, 4 or 8 warps,
-    # 128- or 256-column tiles
+    # of table loads leaves 2 tiles in flight at 6 stages, 3 at 8). (B tiles prefetched in
+    # registers, 1-4 deep, were slower still and were removed: docs/kernels.md.)
     "decode row-loop stages=6": with_overrides(DECODE, row_loop_stages=6),
     "decode row-loop stages=8": with_overrides(DECODE, row_loop_stages=8),
-    "decode row-loop pf2": with_overrides(DECODE, row_loop_prefetch=2),
-    "decode row-loop pf3": with_overrides(DECODE, row_loop_prefetch=3),
-    "decode row-loop pf4": with_overrides(DECODE, row_loop_prefetch=4),
-    "decode row-loop pf3 w8": with_overrides(DECODE, row_loop_prefetch=3, row_loop_warps=8),
-    "decode row-loop pf2 te4096 w8": with_overrides(
-        DECODE, row_loop_prefetch=2, row_loop_warps=8, row_loop_tile_elems=4096
-    ),
     # ... with the registers capped so that all of gate_up's row-loop programs stay resident at
     # once (the deeper forms above need more than 72 per thread, which makes two waves)
     **{
@@ -127,8 +119,8 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     },
     # the shrink with 3 stages (2 buffers: its K chunks are 2-5 steps) and less shared memory
     "decode shrink stages=3": with_overrides(DECODE, split_shrink_stages=3),
-    # Y updated by atomic adds (no read of Y after the wait); with one B tile prefetched before
-    # the wait in the row loop; K chunks of at least 4 steps (half the h partials to sum)
+    # Y read and written instead of atomic adds; K chunks of at least 4 steps (half the h partials
+    # to sum)
     "decode no atomic-y": with_overrides(DECODE, atomic_y=False),
     "decode no narrow": with_overrides(DECODE, narrow_per_sm=0, narrow_shrink_stages=0),
     "decode no seg-tables": with_overrides(DECODE, seg_tables=False),
@@ -136,7 +128,6 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode previous": with_overrides(
         DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0, seg_tables=False
     ),
-    "decode row-loop pf1": with_overrides(DECODE, row_loop_prefetch=1),
     "decode k4": with_overrides(DECODE, fused_min_k_steps=4),
     # fewer, longer shrink programs (a grid budget of 2-4 per SM: all resident beside the expand
     # before them, so none pays its metadata loads after the wait), with deeper pipelines

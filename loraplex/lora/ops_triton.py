@@ -567,7 +567,7 @@ class TritonLoRABackend:
             tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=y.device.type == "cuda",
-            PREFETCH=tiling.row_loop_prefetch, ATOMIC_Y=tiling.atomic_y,
+            ATOMIC_Y=tiling.atomic_y,
             **dict(
                 common,
                 num_stages=tiling.row_loop_stages or common["num_stages"],

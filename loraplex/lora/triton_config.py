@@ -74,10 +74,6 @@ class LoRATiling:
     # ... and segments average at most this many rows (a row tile spans several segments; a
     # captured step: rows over segment capacity)
     row_loop_max_avg_rows: float = 4.0
-    # > 0: the row-loop expand reads its segments' weight-table entries as vectors and loads this
-    # many B tiles before the wait, then keeps that many in flight through its loop (registers);
-    # 0: the compiler's pipeline, whose chain of table loads leaves one B tile in flight
-    row_loop_prefetch: int = 0
     row_loop_stages: int = 0  # pipeline stages of the row-loop expand (0: fused_stages)
     row_loop_warps: int = 0  # warps of the row-loop expand (0: those of the split launch's expand)
     # registers per thread the row-loop expand may use (0: the compiler's choice): all of gate_up's

@@ -566,8 +566,7 @@ def lora_expand_rows_kernel(
     stride_ym, num_rows, n_segs, col0, col1, col2, col3, ch1, ch2, n_chunks,
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr, PREFETCH: tl.constexpr = 0,
-    ATOMIC_Y: tl.constexpr = False,
+    USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr, ATOMIC_Y: tl.constexpr = False,
 ):  # fmt: skip
     """Expand over row tiles that span segments (grid: row tiles x column chunks of all adapted
     slices), after `lora_shrink_pdl_kernel`: a program takes BLOCK_M consecutive rows of the
@@ -577,160 +576,55 @@ def lora_expand_rows_kernel(
     programs. row_seg: [num_rows] int32, the segment of every row (n_segs past the last
     segment's rows).
 
-    PREFETCH = 0: a counted loop over the tile's segments that the compiler pipelines; each B
-    tile's address hangs on a chain of loads (slot, then table entry), which the pipeline spreads
-    over its stages, leaving one B tile in flight at 4 stages (two at 6, three at 8).
-    PREFETCH = P > 0: the weight-table entries of the tile's segments are loaded as vectors (one
-    element per run of rows of one segment) and the first P B tiles are loaded, all before the
-    wait, since none depends on the shrink; the loop then keeps P B tiles in flight in registers,
-    each one's address picked out of the vectors without a load."""
+    The loop is counted, so the compiler pipelines it; each B tile's address hangs on a chain of
+    table loads (slot, then table entry), which takes most of the pipeline's stages, so at 4
+    stages one B tile is in flight ahead. Deeper forms (more stages, or B tiles prefetched in
+    registers with the table entries loaded as vectors before the wait) were slower on an H200:
+    docs/kernels.md."""
     pid = tl.program_id(0)
     tile = pid // n_chunks
     i, chunk = _chunk_slice(pid % n_chunks, ch1, ch2)
     m0 = tile * BLOCK_M
-    offs_j = tl.arange(0, BLOCK_M)
-    offs_m = m0 + offs_j
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     row_seg = tl.load(row_seg_ptr + offs_m, mask=offs_m < num_rows, other=n_segs)
     m_mask = row_seg < n_segs
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
+    # row_seg never decreases: the tile's segments are those of its first and last live rows and
+    # all between. The bound is the last live row's, not the tile's last row's: in a captured step
+    # rows past the live ones carry n_segs, and the loop must not walk the empty padding segments
+    # (s_lo = n_segs, s_hi = -1: no row of the tile is in a segment, and the loop is empty).
+    s_lo = tl.load(row_seg_ptr + m0)
+    s_hi = tl.max(tl.where(m_mask, row_seg, -1), axis=0)
     col_lo, col_hi = _slice_columns(i, col0, col1, col2, col3, COLS_ALIGNED)
     offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_hi - col_lo
     offs_r = tl.arange(0, BLOCK_R)
-    OUT_DTYPE: tl.constexpr = y_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH > 0:
-        # run k: the tile's k-th run of rows of one segment (row_seg never decreases, so each
-        # segment's rows are one run); its entries sit at the row where it starts
-        prev = tl.load(row_seg_ptr + offs_m - 1, mask=(offs_j > 0) & m_mask, other=-1)
-        starts = m_mask & (row_seg != prev)
-        run = tl.cumsum(starts.to(tl.int32), axis=0) - 1
-        if SEG_TABLES:  # noqa: SIM108 (a compile-time branch)
-            cols = row_seg.to(tl.int64)
-        else:
-            cols = tl.load(seg_slots_ptr + row_seg, mask=starts, other=0)
-        b_offs = tl.load(b_tab + i * n_slots + cols, mask=starts, other=0)
-        ranks = tl.load(rank_tab + i * n_slots + cols, mask=starts, other=0)
-        scales = tl.load(scale_tab + i * n_slots + cols, mask=starts, other=0.0)
-        n_runs = tl.sum(starts.to(tl.int32), axis=0)
-        s_lo, s_hi = 0, -1  # (names the other form uses)
-        b0 = _run_b_tile(0, starts, run, b_offs, ranks, offs_n, n_mask, offs_r, w_base, RANK_ALIGNED, W_ALIGN)
-        b1 = b0
-        b2 = b0
-        b3 = b0
-        if PREFETCH > 1:
-            b1 = _run_b_tile(
-                1, starts, run, b_offs, ranks, offs_n, n_mask, offs_r, w_base, RANK_ALIGNED, W_ALIGN
-            )
-        if PREFETCH > 2:
-            b2 = _run_b_tile(
-                2, starts, run, b_offs, ranks, offs_n, n_mask, offs_r, w_base, RANK_ALIGNED, W_ALIGN
-            )
-        if PREFETCH > 3:
-            b3 = _run_b_tile(
-                3, starts, run, b_offs, ranks, offs_n, n_mask, offs_r, w_base, RANK_ALIGNED, W_ALIGN
-            )
-    else:
-        # The tile's segments are those of its first and last live rows and all between. The
-        # bound is the last live row's, not the tile's last row's: in a captured step rows past
-        # the live ones carry n_segs, and the loop must not walk the empty padding segments
-        # (s_lo = n_segs, s_hi = -1: no row of the tile is in a segment, and the loop is empty).
-        s_lo = tl.load(row_seg_ptr + m0)
-        s_hi = tl.max(tl.where(m_mask, row_seg, -1), axis=0)
-        # (names the other form uses; both branches must define them)
-        starts, run, n_runs = m_mask, offs_j, 0
-        b_offs, ranks, scales = offs_j.to(tl.int64), offs_j, offs_j.to(tl.float32)
-        b0 = tl.zeros((BLOCK_R, BLOCK_N), dtype=w_base.dtype.element_ty)
-        b1, b2, b3 = b0, b0, b0
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # y and h belong to the shrink launch until it is done
         tl.extra.cuda.gdc_launch_dependents()
     h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, True)
-    if PREFETCH > 0:
-        if FOR_LOOP:
-            for k in range(0, n_runs):
-                acc, b0, b1, b2, b3 = _run_step(
-                    acc, h, k, b0, b1, b2, b3, row_seg, starts, run, b_offs, ranks, scales, offs_n, n_mask,
-                    offs_r, w_base, OUT_DTYPE, RANK_ALIGNED, W_ALIGN, PREFETCH,
-                )  # fmt: skip
-        else:
-            # the interpreter cannot take loaded values as range bounds: a while loop
-            k = 0
-            while k < n_runs:
-                acc, b0, b1, b2, b3 = _run_step(
-                    acc, h, k, b0, b1, b2, b3, row_seg, starts, run, b_offs, ranks, scales, offs_n, n_mask,
-                    offs_r, w_base, OUT_DTYPE, RANK_ALIGNED, W_ALIGN, PREFETCH,
-                )  # fmt: skip
-                k += 1
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FOR_LOOP:
+        # empty when no row of the tile is in a segment
+        for seg in range(s_lo, s_hi + 1):
+            acc = _rows_segment_step(
+                acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab,
+                seg_slots_ptr, n_slots, i, y_ptr.dtype.element_ty, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+            )  # fmt: skip
     else:
-        if FOR_LOOP:
-            for seg in range(s_lo, s_hi + 1):
-                acc = _rows_segment_step(
-                    acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab,
-                    seg_slots_ptr, n_slots, i, OUT_DTYPE, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
-                )  # fmt: skip
-        else:
-            seg = s_lo
-            while seg <= s_hi:
-                acc = _rows_segment_step(
-                    acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab,
-                    seg_slots_ptr, n_slots, i, OUT_DTYPE, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
-                )  # fmt: skip
-                seg += 1
+        # the interpreter cannot take loaded values as range bounds; the same body in a while loop
+        seg = s_lo
+        while seg <= s_hi:
+            acc = _rows_segment_step(
+                acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab,
+                seg_slots_ptr, n_slots, i, y_ptr.dtype.element_ty, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+            )  # fmt: skip
+            seg += 1
     # Y after the loop: loaded before it, its tile and 64-bit addresses held across the loop
     # double the registers per thread (compiled for sm_90: 80 -> 168 with 128-column tiles)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + col_lo + offs_n[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
     _write_y(y_ptrs, _read_y(y_ptrs, y_mask, ATOMIC_Y), acc, y_mask, ATOMIC_Y)
-
-
-@triton.jit
-def _pick(k, starts, run, values):
-    """values at the row where run k starts (zero when the tile has no run k), in registers."""
-    return tl.sum(tl.where(starts & (run == k), values, 0), axis=0)
-
-
-@triton.jit
-def _run_b_tile(
-    k, starts, run, b_offs, ranks, offs_n, n_mask, offs_r, w_base, RANK_ALIGNED: tl.constexpr,
-    W_ALIGN: tl.constexpr,
-):  # fmt: skip
-    """Run k's B tile [BLOCK_R, BLOCK_N] (all masked, no bytes read, when there is no run k)."""
-    # Alignment the compiler can see (a hint on a reduction's result is not carried to the loads'
-    # addresses; a multiplication by a constant is), so the loads vectorize: values are exact
-    # multiples already.
-    rank = _pick(k, starts, run, ranks)
-    if RANK_ALIGNED:
-        rank = (rank // 8) * 8
-    b_ptr = w_base + (_pick(k, starts, run, b_offs) // W_ALIGN) * W_ALIGN
-    r_mask = offs_r < rank
-    return tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
-                   other=0.0)  # fmt: skip
-
-
-@triton.jit
-def _run_step(
-    acc, h, k, b0, b1, b2, b3, row_seg, starts, run, b_offs, ranks, scales, offs_n, n_mask, offs_r, w_base,
-    OUT_DTYPE: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, PREFETCH: tl.constexpr,
-):  # fmt: skip
-    """Run k's share of a row-loop expand tile with its B tile b0 (loaded PREFETCH runs ago);
-    shifts the prefetched tiles down and loads run k + PREFETCH's."""
-    seg = _pick(k, starts, run, row_seg)
-    own = (row_seg == seg)[:, None] & (offs_r < _pick(k, starts, run, ranks))[None, :]
-    hs = (tl.where(own, h, 0.0) * _pick(k, starts, run, scales)).to(OUT_DTYPE)
-    acc = tl.dot(hs, b0, acc)
-    nxt = _run_b_tile(
-        k + PREFETCH, starts, run, b_offs, ranks, offs_n, n_mask, offs_r, w_base, RANK_ALIGNED, W_ALIGN
-    )
-    if PREFETCH == 1:
-        b0 = nxt
-    elif PREFETCH == 2:
-        b0, b1 = b1, nxt
-    elif PREFETCH == 3:
-        b0, b1, b2 = b1, b2, nxt
-    else:
-        b0, b1, b2, b3 = b1, b2, b3, nxt
-    return acc, b0, b1, b2, b3
 
 
 @triton.jit

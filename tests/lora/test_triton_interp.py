@@ -42,6 +42,7 @@ FUSED_DECODE = with_overrides(
     fused_expand_sub=0,
     fused_split_launch=False,  # the one-launch form with counters; the split launch: HANDOFFS
     seg_tables=False,  # slot tables; the split-launch variants below add segment tables where named
+    atomic_y=False,  # Y read and written; variants below add atomic updates where named
 )
 CPU = torch.device("cpu")
 
@@ -244,38 +245,18 @@ HANDOFFS = {
     "split launch, segment tables": dict(fused_split_launch=True, seg_tables=True),
     # row tiles spanning segments, a loop over their segments (every group; 16-column B tiles)
     "split launch, row-loop expand": dict(
-        fused_split_launch=True, row_loop_min_width=1, row_loop_tile_elems=256, row_loop_prefetch=0
+        fused_split_launch=True, row_loop_min_width=1, row_loop_tile_elems=256
     ),
     "split launch, row-loop expand, segment tables": dict(
         fused_split_launch=True,
         row_loop_min_width=1,
         row_loop_tile_elems=256,
         seg_tables=True,
-        row_loop_prefetch=0,
     ),
-    # ... with the table entries of a tile's segments read as vectors and B tiles prefetched in
-    # registers, 1 to 4 deep
-    **{
-        f"split launch, row-loop expand, prefetch {p}": dict(
-            fused_split_launch=True, row_loop_min_width=1, row_loop_tile_elems=256, row_loop_prefetch=p
-        )
-        for p in (1, 2, 3, 4)
-    },
     # Y updated by atomic adds instead of a read and a write, both expand kernels
     "split launch, atomic Y": dict(fused_split_launch=True, atomic_y=True),
-    "split launch, row-loop expand, prefetch 2, atomic Y": dict(
-        fused_split_launch=True,
-        row_loop_min_width=1,
-        row_loop_tile_elems=256,
-        row_loop_prefetch=2,
-        atomic_y=True,
-    ),
-    "split launch, row-loop expand, prefetch 3, segment tables": dict(
-        fused_split_launch=True,
-        row_loop_min_width=1,
-        row_loop_tile_elems=256,
-        row_loop_prefetch=3,
-        seg_tables=True,
+    "split launch, row-loop expand, atomic Y": dict(
+        fused_split_launch=True, row_loop_min_width=1, row_loop_tile_elems=256, atomic_y=True
     ),
 }
 
@@ -360,21 +341,19 @@ def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> Lo
 STREAMED_DECODE = with_overrides(FUSED_DECODE, fused_expand_sub=1, fused_per_sm=2)
 SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
 SEG_TABLES_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, seg_tables=True)
-ROW_LOOP_DECODE = with_overrides(
-    SPLIT_LAUNCH_DECODE, row_loop_min_width=1, row_loop_tile_elems=256, row_loop_prefetch=0
-)
-ROW_PREFETCH_DECODE = with_overrides(ROW_LOOP_DECODE, row_loop_prefetch=2)
+ROW_LOOP_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, row_loop_min_width=1, row_loop_tile_elems=256)
+ROW_ATOMIC_DECODE = with_overrides(ROW_LOOP_DECODE, atomic_y=not ROW_LOOP_DECODE.atomic_y)
 
 
 @pytest.mark.parametrize(
     "tiling",
     [
         FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, SEG_TABLES_DECODE, ROW_LOOP_DECODE,
-        ROW_PREFETCH_DECODE, SPLIT_DECODE,
+        ROW_ATOMIC_DECODE, SPLIT_DECODE,
     ],
     ids=[
         "fused-all-resident", "fused-streamed", "split-launch", "split-launch-segment-tables",
-        "split-launch-row-loop", "split-launch-row-loop-prefetch", "two-launch",
+        "split-launch-row-loop", "split-launch-row-loop-other-y-update", "two-launch",
     ],
 )  # fmt: skip
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
