@@ -93,7 +93,8 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode budget8": with_overrides(DECODE, fused_per_sm=8),
     # one 256-column K step per chunk: all of a shrink program's loads issued at once
     "decode bk256": with_overrides(DECODE, block_k=256, fused_min_k_steps=1),
-    # per-step segment tables (one dependent load fewer per program)
+    # per-step segment tables (one dependent load fewer per program; the default since the night
+    # of 2026-11-29, so this name now equals "decode" and "decode no seg-tables" is the other form)
     "decode seg-tables": with_overrides(DECODE, seg_tables=True),
     # the row-loop expand: 256- or 64-column tiles; for every group; at any rank tile; for long
     # segments too
