@@ -122,11 +122,16 @@ def main() -> None:
             results.append(r)
             print(f"\n{variant} / {r['case']}: span {r['span_us']:.1f} us, flush end -> first LoRA kernel "
                   f"{r['flush_to_first_us']} us ({r['replays']} replays)")  # fmt: skip
-            print(f"  {'launch':28s} {'grid':>12s} {'regs':>5s} {'start':>7s} {'end':>7s} {'dur':>7s}")
+            # after: from the end of the launch before (the first: from the first start), which a
+            # PDL-launched kernel's own start and duration (its programs wait early) do not show
+            heads = ("start", "end", "dur", "after")
+            print(f"  {'launch':28s} {'grid':>12s} {'regs':>5s} " + " ".join(f"{h:>7s}" for h in heads))
+            prev_end = 0.0
             for k in r["launches"]:
                 label = f"{k['group']} {k['name'].replace('lora_', '').replace('_kernel', '')}"
                 print(f"  {label:28s} {str(k['grid']):>12s} {str(k['registers']):>5s} {k['start_us']:7.1f} "
-                      f"{k['end_us']:7.1f} {k['dur_us']:7.1f}")  # fmt: skip
+                      f"{k['end_us']:7.1f} {k['dur_us']:7.1f} {k['end_us'] - prev_end:7.1f}")  # fmt: skip
+                prev_end = k["end_us"]
     Path(a.out).write_text(json.dumps(results, indent=1))
 
 
