@@ -23,14 +23,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.bench.kernel_cases import (
-    GROUPS,
-    LLAMA3_8B,
-    TARGET_DECODE,
-    TARGET_MIXED,
-    KernelCase,
-    slice_offsets,
-)
+from loraplex.bench.kernel_cases import GROUPS, TARGET_DECODE, TARGET_MIXED, KernelCase
 from loraplex.bench.kernels import TILING_VARIANTS, KernelBench
 
 CASES = {"target": TARGET_DECODE, "m1": KernelCase("decode", 1, 1, "16"), "mixed": TARGET_MIXED}
@@ -58,29 +51,14 @@ def _replays(kernels: list[dict]) -> list[tuple[dict | None, list[dict]]]:
 
 
 def timeline(bench: KernelBench, case: KernelCase, variant: str, reps: int) -> dict:
-    tiling = TILING_VARIANTS[variant]
-    table = bench.table(case.ranks)
-    meta, _, be = bench._prepared(case, table, tiling)
-    xs, ys = bench._io(case.rows)
-    offs = {g: slice_offsets(w) for g, (_, w) in LLAMA3_8B.items()}
-
-    def layer() -> None:
-        for g in GROUPS:
-            be.apply(ys[g], xs[g], meta, table, 0, g, offs[g])
-
-    layer()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer()
-    flush = bench.timer._flush
+    graph = bench.timer.capture(bench.layers_fn(case, TILING_VARIANTS[variant]))
     for _ in range(5):
-        flush.max()
+        bench.timer.flush_l2()
         graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            flush.max()
+            bench.timer.flush_l2()
             graph.replay()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:

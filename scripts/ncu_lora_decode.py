@@ -33,7 +33,7 @@ def main() -> None:
     bf16 = torch.bfloat16
     xs = {g: torch.randn(case.rows, d, device=dev, dtype=bf16) for g, (d, _) in LLAMA3_8B.items()}
     ys = {g: torch.randn(case.rows, sum(w), device=dev, dtype=bf16) for g, (_, w) in LLAMA3_8B.items()}
-    be.begin_step(meta, table, dev)  # per-step tables, for tilings that read them
+    be.begin_step(meta, table, dev, replayed=True)  # as a captured step begins (per-step tables)
     for _ in range(4):
         for g in GROUPS:
             be.apply(ys[g], xs[g], meta, table, 0, g, slice_offsets(LLAMA3_8B[g][1]))

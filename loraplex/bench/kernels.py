@@ -44,6 +44,11 @@ DTYPE = torch.bfloat16
 MAX_ADAPTERS = 64
 # `run_layers`: layers captured in one graph, to time a layer without the graph's fixed cost
 LAYERS_PER_GRAPH = 4
+# the decode default of the evening of 2026-11-29, before atomic Y updates, the rank-16 shrink
+# budget and per-step segment tables: the base of the earlier defaults below
+EVENING_DECODE = with_overrides(
+    DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0, seg_tables=False
+)
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
     # today's default: the fused plan as two PDL launches (2-warp shrink, 4-warp expand) for rank
@@ -54,9 +59,9 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # earlier defaults, to compare against: one launch with arrival counters and 4 warps (rank
     # tile 16 only); the split launch as first made the default (2-warp expands, 64-column tiles
     # at rank tile 64, mixed ranks on the two-launch path); the morning of 2026-11-29 (3 stages,
-    # no row-loop expand)
+    # no row-loop expand); the evening of 2026-11-29 ("decode previous")
     "decode fused w4": with_overrides(
-        DECODE,
+        EVENING_DECODE,
         fused_warps=4,
         fused_split_launch=False,
         split_expand_warps=0,
@@ -66,14 +71,14 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
         row_loop_min_width=0,
     ),
     "decode split w2 r16": with_overrides(
-        DECODE,
+        EVENING_DECODE,
         split_expand_warps=0,
         fused_max_rank=16,
         fused_tile_elems=4096,
         fused_stages=3,
         row_loop_min_width=0,
     ),
-    "decode stages=3 no row-loop": with_overrides(DECODE, fused_stages=3, row_loop_min_width=0),
+    "decode stages=3 no row-loop": with_overrides(EVENING_DECODE, fused_stages=3, row_loop_min_width=0),
     # one change each, on top of the default
     "decode no row-loop": with_overrides(DECODE, row_loop_min_width=0),
     "decode no-pdl": with_overrides(DECODE, pdl=False),
@@ -125,10 +130,7 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode no atomic-y": with_overrides(DECODE, atomic_y=False),
     "decode no narrow": with_overrides(DECODE, narrow_per_sm=0, narrow_shrink_stages=0),
     "decode no seg-tables": with_overrides(DECODE, seg_tables=False),
-    # the default of the evening of 2026-11-29 (before atomic Y and the rank-16 shrink budget)
-    "decode previous": with_overrides(
-        DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0, seg_tables=False
-    ),
+    "decode previous": EVENING_DECODE,
     "decode k4": with_overrides(DECODE, fused_min_k_steps=4),
     # fewer, longer shrink programs (a grid budget of 2-4 per SM: all resident beside the expand
     # before them, so none pays its metadata loads after the wait), with deeper pipelines
@@ -142,12 +144,6 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
             DECODE, narrow_per_sm=b, narrow_shrink_stages=st
         )
         for b, st in ((2, 6), (2, 8), (2, 5), (3, 6), (3, 8), (2, 10))
-    },
-    **{
-        f"decode r16 budget2/slice shrink-st{st}": with_overrides(
-            DECODE, narrow_per_sm=2, narrow_shrink_stages=st, narrow_per_slice=True
-        )
-        for st in (6, 8)
     },
     "decode row-loop te4096 w8": with_overrides(DECODE, row_loop_tile_elems=4096, row_loop_warps=8),
     "prefill": PREFILL,
@@ -214,7 +210,7 @@ class KernelBench:
         build_us = 1e6 * (time.perf_counter() - t0)
         be = self.backend_cls(tiling)
         be.prepare(meta, table, self.device)
-        be.begin_step(meta, table, self.device)
+        be.begin_step(meta, table, self.device, replayed=True)  # every case is timed as graph replays
         return meta, build_us, be
 
     def _io(self, rows: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -243,10 +239,10 @@ class KernelBench:
         one = torch.zeros(1, device=self.device)
         return 1e3 * self.timer.graph_median_ms(lambda: one.add_(1))
 
-    def run_layers(self, case: KernelCase, tiling: LoRATiling | None, layers: int = LAYERS_PER_GRAPH) -> dict:
-        """The whole-layer op for `layers` consecutive layers in one graph, each with its own
-        weights (as in a captured decode step, where no layer finds its adapters in L2); time per
-        layer."""
+    def layers_fn(self, case: KernelCase, tiling: LoRATiling | None, layers: int = 1) -> Callable[[], None]:
+        """The whole-layer op (every group) for `layers` consecutive layers, each with its own
+        weights (as in a captured decode step, where no layer finds its adapters in L2), on the
+        case's inputs, with the step begun as the engine begins it."""
         table = self.table(case.ranks, layers)
         meta, _, be = self._prepared(case, table, tiling)
         xs, ys = self._io(case.rows)
@@ -257,7 +253,12 @@ class KernelBench:
                 for g in GROUPS:
                     be.apply(ys[g], xs[g], meta, table, layer, g, offs[g])
 
-        us = 1e3 * self.timer.graph_median_ms(step) / layers
+        return step
+
+    def run_layers(self, case: KernelCase, tiling: LoRATiling | None, layers: int = LAYERS_PER_GRAPH) -> dict:
+        """The whole-layer op for `layers` consecutive layers in one graph (`layers_fn`); time per
+        layer."""
+        us = 1e3 * self.timer.graph_median_ms(self.layers_fn(case, tiling, layers)) / layers
         return {"graph_us": us, "min_bytes": case_min_bytes(case, LAYER), "layers": layers}
 
     def run_case(self, case: KernelCase, tiling: LoRATiling | None = None, groups: bool = True) -> dict:

@@ -18,6 +18,20 @@ class GpuTimer:
         self.warmup = warmup
         self._flush = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
 
+    def flush_l2(self) -> None:
+        # Read, not write: a written flush leaves L2 full of dirty lines whose write-back would be
+        # charged to the timed kernel.
+        self._flush.max()
+
+    def capture(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of fn, after one run outside the capture (compile and fill caches)."""
+        fn()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+
     def median_ms(self, fn: Callable[[], object]) -> float:
         """Median of `reps` event-timed runs of fn, each after reading a buffer larger than L2."""
         for _ in range(self.warmup):
@@ -25,9 +39,7 @@ class GpuTimer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
         for s, e in zip(starts, ends, strict=True):
-            # Read, not write: a written flush leaves L2 full of dirty lines whose write-back
-            # would be charged to the timed kernel.
-            self._flush.max()
+            self.flush_l2()
             s.record()
             fn()
             e.record()
@@ -36,11 +48,7 @@ class GpuTimer:
 
     def graph_median_ms(self, fn: Callable[[], object]) -> float:
         """Same, for the replay of a CUDA graph captured from fn (launch gaps mostly gone)."""
-        fn()  # compile and fill caches outside the capture
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = self.capture(fn)
         ms = self.median_ms(graph.replay)
         del graph
         return ms

@@ -24,9 +24,15 @@ class LoRABackend(Protocol):
 
     def graph_epoch(self, table: LoRASlotTable, device: torch.device | str) -> tuple[int, int]: ...
 
-    # once per forward, before its first `apply` (inside the capture of a captured step)
+    # once per forward, before its first `apply` (inside the capture of a captured step);
+    # replayed: whether the step's calls run as CUDA-graph replays (None: a step with static
+    # metadata, or one being captured)
     def begin_step(
-        self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device | str
+        self,
+        meta: LoRABatchMetadata,
+        table: LoRASlotTable,
+        device: torch.device | str,
+        replayed: bool | None = None,
     ) -> None: ...
 
     def apply(

@@ -101,7 +101,13 @@ class TorchLoRABackend:
     def check_health(self) -> None:
         """Nothing can go wrong asynchronously on this path."""
 
-    def begin_step(self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device | str) -> None:
+    def begin_step(
+        self,
+        meta: LoRABatchMetadata,
+        table: LoRASlotTable,
+        device: torch.device | str,
+        replayed: bool | None = None,
+    ) -> None:
         """Nothing to prepare per step (the Triton backend gathers per-step tables here)."""
 
     def graph_epoch(self, table: LoRASlotTable, device: torch.device | str) -> tuple[int, int]:

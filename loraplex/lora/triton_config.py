@@ -88,9 +88,11 @@ class LoRATiling:
     # tiles each K chunk is several rank-chunk programs, and the same budget leaves too few chunks.
     narrow_per_sm: int = 0
     narrow_shrink_stages: int = 0
-    # ... that budget counted per adapted slice (a qkv shrink program reads three slices' A), so
-    # every shrink program reads about the same bytes whatever the group
-    narrow_per_slice: bool = False
+
+    @property
+    def reads_segment_tables(self) -> bool:
+        """Whether its decode calls read per-step segment tables (only the fused split launch does)."""
+        return self.seg_tables and self.fused and self.fused_split_launch
 
     def per_sm_for(self, block_r: int) -> int:
         """Fused grid budget (programs per SM) for a step of this rank tile."""
@@ -205,8 +207,6 @@ def plan_fused(
     if not tiling.fused:
         return None
     budget = num_sms * (per_sm if per_sm is not None else tiling.per_sm_for(block_r))
-    if per_sm is None and block_r <= 16 and tiling.narrow_per_sm and tiling.narrow_per_slice:
-        budget *= max(1, sum(1 for w in widths if w))
     # The grid is shared in proportion to the bytes each side streams (A: d_in per adapted slice,
     # B: the slices' widths; the rank cancels), so shrink and expand programs carry similar loads.
     # K is split as finely as the shrink share allows (any count, not only powers of two),

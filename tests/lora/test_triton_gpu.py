@@ -245,6 +245,7 @@ WHOLE_LAYER_VARIANTS = {
         pdl=True, fused_split_launch=True, fused_warps=4, split_expand_warps=2
     ),
     "pdl, split launch, segment tables": dict(pdl=True, fused_split_launch=True, seg_tables=True),
+    "pdl, split launch, slot tables": dict(pdl=True, fused_split_launch=True, seg_tables=False),
     # the row-loop expand for every group at every rank tile (the mixed ranks here reach 64)
     "pdl, split launch, row-loop expand": dict(pdl=True, **ROW_LOOP_EVERYWHERE),
     "pdl, split launch, row-loop expand, segment tables": dict(

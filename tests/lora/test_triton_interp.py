@@ -66,9 +66,8 @@ def _check_all_groups(
     groups: tuple[str, ...] = tuple(SMALL_SHAPES),
 ) -> None:
     meta = LoRABatchMetadata.build(slots, table)
-    be.begin_step(meta, table, CPU)  # as the engine does once per forward (a no-op for most tilings)
-    t = be.tiling
-    if t is not None and t.seg_tables and t.fused and t.fused_split_launch:  # the split launch reads them
+    be.begin_step(meta, table, CPU, replayed=True)  # as a captured step begins (a no-op for most tilings)
+    if be.tiling is not None and be.tiling.reads_segment_tables:
         assert be._segment_tables(meta, be.device_table(CPU)) is not None
     gen = torch.Generator().manual_seed(seed)
     base_rows = [i for i, s in enumerate(slots) if s == -1]
@@ -342,7 +341,7 @@ STREAMED_DECODE = with_overrides(FUSED_DECODE, fused_expand_sub=1, fused_per_sm=
 SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
 SEG_TABLES_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, seg_tables=True)
 ROW_LOOP_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, row_loop_min_width=1, row_loop_tile_elems=256)
-ROW_ATOMIC_DECODE = with_overrides(ROW_LOOP_DECODE, atomic_y=not ROW_LOOP_DECODE.atomic_y)
+ROW_ATOMIC_DECODE = with_overrides(ROW_LOOP_DECODE, atomic_y=True)
 
 
 @pytest.mark.parametrize(
@@ -353,7 +352,7 @@ ROW_ATOMIC_DECODE = with_overrides(ROW_LOOP_DECODE, atomic_y=not ROW_LOOP_DECODE
     ],
     ids=[
         "fused-all-resident", "fused-streamed", "split-launch", "split-launch-segment-tables",
-        "split-launch-row-loop", "split-launch-row-loop-other-y-update", "two-launch",
+        "split-launch-row-loop", "split-launch-row-loop-atomic-y", "two-launch",
     ],
 )  # fmt: skip
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
@@ -370,8 +369,7 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
     def check(group: str) -> None:
         d_in, widths = SMALL_SHAPES[group]
         offs = slice_offsets(widths)
-        if tiling.seg_tables and tiling.fused and tiling.fused_split_launch:
-            # gathered per step from the live tables (a graph replays the gather)
+        if tiling.reads_segment_tables:  # gathered per step from the live tables (a graph replays it)
             assert be._segment_tables(meta, dev) is not None
         x = torch.randn(len(slots), d_in, generator=gen)
         y0 = torch.randn(len(slots), offs[-1], generator=gen)
@@ -435,3 +433,16 @@ def test_shrink_then_expand_equals_apply(tiling) -> None:  # noqa: ANN001
     base_only = LoRABatchMetadata.build([-1] * 3, table)
     qkv = slice_offsets(SMALL_SHAPES["qkv"][1])
     assert halves.shrink(torch.randn(3, 64), base_only, table, 0, "qkv", qkv) is None  # nothing launched
+
+
+def test_segment_tables_only_for_replayed_steps() -> None:
+    # an eager step reads the slot tables (building per-step table views would cost more host time
+    # than the load it saves); a step run as graph replays gathers the per-step tables
+    table = make_table([16, 8], DTYPE, "cpu", seed=40)
+    meta = LoRABatchMetadata.build([0, 1, 1, -1, 0], table)
+    be = _backend(SEG_TABLES_DECODE)
+    be.begin_step(meta, table, CPU)
+    assert be._segment_tables(meta, be.device_table(CPU)) is None
+    be.begin_step(meta, table, CPU, replayed=True)
+    assert be._segment_tables(meta, be.device_table(CPU)) is not None
+    _check_all_groups(be, [0, 1, 1, -1, 0], table)  # and its calls give the reference's result
