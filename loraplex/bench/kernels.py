@@ -146,6 +146,18 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
         for b, st in ((2, 6), (2, 8), (2, 5), (3, 6), (3, 8), (2, 10))
     },
     "decode row-loop te4096 w8": with_overrides(DECODE, row_loop_tile_elems=4096, row_loop_warps=8),
+    # the shrink's A tiles loaded before its PDL wait (held in registers): up to whole chunks of
+    # 48 KB with 4 or 8 warps, 256 or 128 columns with 2 warps, or at most 16 KB per program
+    "decode early-a w4": with_overrides(DECODE, early_a_k=1024, split_shrink_warps=4),
+    "decode early-a w8": with_overrides(DECODE, early_a_k=1024, split_shrink_warps=8),
+    "decode early-a 256": with_overrides(DECODE, early_a_k=256),
+    "decode early-a 128": with_overrides(DECODE, early_a_k=128),
+    "decode early-a w4 16K": with_overrides(
+        DECODE, early_a_k=1024, split_shrink_warps=4, early_a_bytes=16384
+    ),
+    "decode early-a w4 budget3": with_overrides(
+        DECODE, early_a_k=1024, split_shrink_warps=4, narrow_per_sm=3
+    ),
     "prefill": PREFILL,
 }
 TILING_CASES = (

@@ -88,6 +88,12 @@ class LoRATiling:
     # tiles each K chunk is several rank-chunk programs, and the same budget leaves too few chunks.
     narrow_per_sm: int = 0
     narrow_shrink_stages: int = 0
+    # split launch: each shrink program loads the A tiles of up to this many of its chunk's first
+    # K columns before its PDL wait (0: none), so that A streams while the kernel before finishes;
+    # at most early_a_bytes of them per program (they are held in registers)
+    early_a_k: int = 0
+    early_a_bytes: int = 49152
+    split_shrink_warps: int = 0  # warps of the split launch's shrink (0: fused_warps)
 
     @property
     def reads_segment_tables(self) -> bool:
@@ -104,6 +110,18 @@ class LoRATiling:
         if block_r <= 16 and self.narrow_shrink_stages:
             return min(self.narrow_shrink_stages, k_steps + 2) if k_steps else self.narrow_shrink_stages
         return self.split_shrink_stages or self.fused_stages
+
+    def early_k_for(self, k_chunk: int, a_column_bytes: int) -> int:
+        """K columns of A a split-launch shrink program loads before its PDL wait: the largest
+        power of two that is a multiple of block_k, at most early_a_k and the K chunk, and whose
+        tiles (a_column_bytes per column: every kept slice's rank chunk) fit early_a_bytes; 0
+        when none does (a register tile's sides are powers of two)."""
+        k = 0
+        c = self.block_k
+        while c <= min(self.early_a_k, k_chunk) and c * a_column_bytes <= self.early_a_bytes:
+            k = c
+            c *= 2
+        return k if k and (k & (k - 1)) == 0 else 0
 
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call

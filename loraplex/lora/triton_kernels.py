@@ -80,15 +80,30 @@ def _shrink_tile(
     x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm, num_rows,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr, K_CHUNK: tl.constexpr,
+    EARLY_K: tl.constexpr = 0, ae0=0, ae1=0, ae2=0,
 ):  # fmt: skip
-    """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice."""
+    """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice.
+    EARLY_K > 0: ae0..ae2 are the slices' A tiles of the chunk's first EARLY_K columns, already
+    loaded (`_early_a`); the loop covers the rest."""
     acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     x_rows = x_ptr + rows[:, None] * stride_xm
     k_lo = split * K_CHUNK
+    if EARLY_K > 0:
+        # X as [steps, BLOCK_M, BLOCK_K], a batch of one small dot per K step, summed over steps
+        offs_ke = _early_k_offsets(k_lo, EARLY_K, BLOCK_K)
+        ke_mask = offs_ke < d_in
+        xe_mask = m_mask[None, :, None] & ke_mask[:, None, :]
+        xe = tl.load(x_rows[None, :, :] + offs_ke[:, None, :], mask=xe_mask, other=0.0)
+        if SLICE_MASK & 1:
+            acc0 += tl.sum(tl.dot(xe, tl.permute(ae0, (0, 2, 1))), axis=0)
+        if N_SLICES > 1 and SLICE_MASK & 2:
+            acc1 += tl.sum(tl.dot(xe, tl.permute(ae1, (0, 2, 1))), axis=0)
+        if N_SLICES > 2 and SLICE_MASK & 4:
+            acc2 += tl.sum(tl.dot(xe, tl.permute(ae2, (0, 2, 1))), axis=0)
     # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).
-    for kk in range(0, K_CHUNK, BLOCK_K):
+    for kk in range(EARLY_K, K_CHUNK, BLOCK_K):
         offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < d_in  # chunks never overlap (the loop stays inside K_CHUNK)
         # one X tile feeds every slice: X is read once per group, not once per slice
@@ -106,6 +121,44 @@ def _shrink_tile(
         _shrink_store(h_ptr, acc1, split * N_SLICES + 1, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
     if N_SLICES > 2 and SLICE_MASK & 4:
         _shrink_store(h_ptr, acc2, split * N_SLICES + 2, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
+
+
+@triton.jit
+def _early_k_offsets(k_lo, EARLY_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[EARLY_K // BLOCK_K, BLOCK_K] columns k_lo + (step, k)."""
+    steps = tl.arange(0, EARLY_K // BLOCK_K)
+    return k_lo + steps[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+
+
+@triton.jit
+def _early_a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+    # [steps, BLOCK_RC, BLOCK_K]: one plane per K step, so that the dot is a batch of small ones
+    return tl.load(
+        a_ptr + offs_r[None, :, None] * d_in + offs_k[:, None, :],
+        mask=(offs_r[None, :, None] < rank) & k_mask[:, None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _early_a(
+    a0, r0, a1, r1, a2, r2, live, d_in, offs_r, k_lo, N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr,
+    EARLY_K: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The A tiles [BLOCK_RC, EARLY_K] of every kept slice from column k_lo on, issued before the
+    PDL wait: A does not depend on the kernel before, so its bytes stream while that kernel
+    finishes instead of after it. Nothing is read for an idle program (live false). A slice
+    SLICE_MASK drops gets slice 0's tile (never used)."""
+    offs_k = _early_k_offsets(k_lo, EARLY_K, BLOCK_K)
+    k_mask = offs_k < d_in
+    ae0 = _early_a_tile(a0, tl.where(live & ((SLICE_MASK & 1) != 0), r0, 0), d_in, offs_r, offs_k, k_mask)
+    ae1 = ae0
+    ae2 = ae0
+    if N_SLICES > 1 and SLICE_MASK & 2:
+        ae1 = _early_a_tile(a1, tl.where(live, r1, 0), d_in, offs_r, offs_k, k_mask)
+    if N_SLICES > 2 and SLICE_MASK & 4:
+        ae2 = _early_a_tile(a2, tl.where(live, r2, 0), d_in, offs_r, offs_k, k_mask)
+    return ae0, ae1, ae2
 
 
 @triton.jit
@@ -329,7 +382,7 @@ def _fused_shrink_part(
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
-    SEG_TABLES: tl.constexpr = False,
+    SEG_TABLES: tl.constexpr = False, EARLY_K: tl.constexpr = 0,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -348,16 +401,31 @@ def _fused_shrink_part(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
-    if USE_PDL:
-        # Everything above reads only metadata and weights; X, h and the counters may still be in
-        # use by the kernel this one overlaps, so they wait for it to finish.
-        tl.extra.cuda.gdc_wait()
-    # An idle program (past its segment's rows or its adapter's rank) still arrives below.
-    if (m0 < seg_hi) & (rc * BLOCK_RC < r_max):
-        _shrink_tile(
-            x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
-            num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK,
+    live = (m0 < seg_hi) & (rc * BLOCK_RC < r_max)
+    if EARLY_K > 0:
+        ae0, ae1, ae2 = _early_a(
+            a0, r0, a1, r1, a2, r2, live, d_in, offs_r, split * K_CHUNK, N_SLICES, SLICE_MASK, EARLY_K,
+            BLOCK_K,
         )  # fmt: skip
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # as below; the A tiles above are in flight across it
+        if live:
+            _shrink_tile(
+                x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
+                num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, EARLY_K, ae0,
+                ae1, ae2,
+            )  # fmt: skip
+    else:
+        if USE_PDL:
+            # Everything above reads only metadata and weights; X, h and the counters may still be
+            # in use by the kernel this one overlaps, so they wait for it to finish.
+            tl.extra.cuda.gdc_wait()
+        # An idle program (past its segment's rows or its adapter's rank) still arrives below.
+        if live:
+            _shrink_tile(
+                x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
+                num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK,
+            )  # fmt: skip
     if COUNTERS:
         # Publish: every thread's h stores are ordered before the (single-thread) release increment.
         tl.debug_barrier()
@@ -527,18 +595,20 @@ def lora_shrink_pdl_kernel(
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
+    EARLY_K: tl.constexpr = 0,
 ):  # fmt: skip
     """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
     `lora_expand_pdl_kernel` (or `lora_expand_rows_kernel`) through the launch boundary instead of
     counters. With PDL the expand launch may start at once: its programs load their B tiles while
-    these run."""
+    these run. EARLY_K > 0: each program loads the A tiles of its chunk's first EARLY_K columns
+    before its PDL wait."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     PART_PDL: tl.constexpr = 2 if USE_PDL else 0  # wait for the kernel before; trigger done above
     _fused_shrink_part(
         tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
         rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, SEG_TABLES,
+        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, SEG_TABLES, EARLY_K,
     )  # fmt: skip
 
 

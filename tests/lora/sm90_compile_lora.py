@@ -49,6 +49,17 @@ def kernels() -> dict[str, tuple]:
             2,
             3,
         )
+        # A tiles loaded before the PDL wait: a whole 512-column chunk (4 warps), or half of it
+        for early, warps in ((512, 4), (256, 2)):
+            out[f"shrink_pdl{pdl}_early{early}"] = (
+                tk.lora_shrink_pdl_kernel,
+                dict(
+                    COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=8, USE_PDL=pdl, SEG_TABLES=bool(pdl),
+                    EARLY_K=early,
+                ) | {"K_CHUNK": 512},
+                warps,
+                4,
+            )  # fmt: skip
         consts = dict(COMMON, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl))
         out[f"expand_pdl{pdl}"] = (tk.lora_expand_pdl_kernel, consts, 4, 3)
         # two tiles per program (both B tiles loaded before the wait), and a looped third
