@@ -81,8 +81,15 @@ def timeline(bench: KernelBench, case: KernelCase, variant: str, reps: int) -> d
         })  # fmt: skip
     span = statistics.median(max(k["ts"] + k["dur"] for k in r) - r[0]["ts"] for _, r in replays)
     gaps = [r[0]["ts"] - (f["ts"] + f["dur"]) for f, r in replays if f is not None]
+    # cross-checks: the flush must take a 512 MB read's time, and the same graph timed by CUDA
+    # events outside the profiler should be about the span plus the graph launch
+    flush_us = [f["dur"] for f, _ in replays if f is not None]
+    graph_us = 1e3 * bench.timer.median_ms(graph.replay)
     return {"variant": variant, "case": case.label, "replays": len(replays), "launches": rows,
-            "span_us": span, "flush_to_first_us": statistics.median(gaps) if gaps else None}  # fmt: skip
+            "span_us": span, "flush_to_first_us": statistics.median(gaps) if gaps else None,
+            "flush_us": statistics.median(flush_us) if flush_us else None,
+            "flush_kernel": replays[0][0]["name"] if replays[0][0] else None,
+            "graph_us": graph_us}  # fmt: skip
 
 
 def main() -> None:
@@ -99,7 +106,9 @@ def main() -> None:
             r = timeline(bench, CASES[case_name], variant, a.reps)
             results.append(r)
             print(f"\n{variant} / {r['case']}: span {r['span_us']:.1f} us, flush end -> first LoRA kernel "
-                  f"{r['flush_to_first_us']} us ({r['replays']} replays)")  # fmt: skip
+                  f"{r['flush_to_first_us']} us ({r['replays']} replays); graph replay "
+                  f"{r['graph_us']:.1f} us by events; flush {r['flush_us']} us "
+                  f"({str(r['flush_kernel'])[:40]})")  # fmt: skip
             # after: from the end of the launch before (the first: from the first start), which a
             # PDL-launched kernel's own start and duration (its programs wait early) do not show
             heads = ("start", "end", "dur", "after")

@@ -146,6 +146,11 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
         for b, st in ((2, 6), (2, 8), (2, 5), (3, 6), (3, 8), (2, 10))
     },
     "decode row-loop te4096 w8": with_overrides(DECODE, row_loop_tile_elems=4096, row_loop_warps=8),
+    # the row-loop expand's first B tile loaded before its PDL wait; the shrink's A loads issued
+    # before its X load in each step
+    "decode first-b-early": with_overrides(DECODE, row_loop_first_b_early=True),
+    "decode a-first": with_overrides(DECODE, shrink_a_first=True),
+    "decode a-first first-b-early": with_overrides(DECODE, shrink_a_first=True, row_loop_first_b_early=True),
     # the shrink's A tiles loaded before its PDL wait (held in registers): up to whole chunks of
     # 48 KB with 4 or 8 warps, 256 or 128 columns with 2 warps, or at most 16 KB per program
     "decode early-a w4": with_overrides(DECODE, early_a_k=1024, split_shrink_warps=4),

@@ -545,7 +545,7 @@ class TritonLoRABackend:
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=block_rc,
-            K_CHUNK=plan.split.k_chunk, EARLY_K=early_k,
+            K_CHUNK=plan.split.k_chunk, EARLY_K=early_k, A_FIRST=tiling.shrink_a_first,
             num_warps=tiling.split_shrink_warps or tiling.fused_warps,
             **dict(common, num_stages=shrink_stages),
         )  # fmt: skip
@@ -586,7 +586,7 @@ class TritonLoRABackend:
             tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=y.device.type == "cuda",
-            ATOMIC_Y=tiling.atomic_y,
+            ATOMIC_Y=tiling.atomic_y, FIRST_B_EARLY=tiling.row_loop_first_b_early,
             **dict(
                 common,
                 num_stages=tiling.row_loop_stages or common["num_stages"],

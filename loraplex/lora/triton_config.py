@@ -79,6 +79,9 @@ class LoRATiling:
     # registers per thread the row-loop expand may use (0: the compiler's choice): all of gate_up's
     # programs resident at once (one wave) needs at most 72 at 4 warps
     row_loop_maxnreg: int = 0
+    # the row-loop expand loads its first segment's B tile before the PDL wait (the loop then
+    # starts at the second)
+    row_loop_first_b_early: bool = False
     split_shrink_stages: int = 0  # pipeline stages of the split launch's shrink (0: fused_stages)
     # split launch: the expand adds into Y with one atomic add per element instead of a read and
     # a write (no read round trip after the wait; Y's dtype rounds the LoRA term first)
@@ -94,6 +97,8 @@ class LoRATiling:
     early_a_k: int = 0
     early_a_bytes: int = 49152
     split_shrink_warps: int = 0  # warps of the split launch's shrink (0: fused_warps)
+    # split launch: the shrink's loop issues each step's A loads before its X load
+    shrink_a_first: bool = False
 
     @property
     def reads_segment_tables(self) -> bool:

@@ -36,14 +36,18 @@ def _slice_entry(
 
 
 @triton.jit
-def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+def _a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask):
     # a: [r, d_in] row-major; the tile is [BLOCK_R, BLOCK_K], rows past the rank masked (no bytes)
-    at = tl.load(
+    return tl.load(
         a_ptr + offs_r[:, None] * d_in + offs_k[None, :],
         mask=(offs_r[:, None] < rank) & k_mask[None, :],
         other=0.0,
     )
-    return tl.dot(xt, tl.trans(at), acc)
+
+
+@triton.jit
+def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+    return tl.dot(xt, tl.trans(_a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask)), acc)
 
 
 @triton.jit
@@ -80,7 +84,7 @@ def _shrink_tile(
     x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm, num_rows,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr, K_CHUNK: tl.constexpr,
-    EARLY_K: tl.constexpr = 0, ae0=0, ae1=0, ae2=0,
+    EARLY_K: tl.constexpr = 0, ae0=0, ae1=0, ae2=0, A_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice.
     EARLY_K > 0: ae0..ae2 are the slices' A tiles of the chunk's first EARLY_K columns, already
@@ -106,14 +110,33 @@ def _shrink_tile(
     for kk in range(EARLY_K, K_CHUNK, BLOCK_K):
         offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < d_in  # chunks never overlap (the loop stays inside K_CHUNK)
-        # one X tile feeds every slice: X is read once per group, not once per slice
-        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if SLICE_MASK & 1:
-            acc0 = _shrink_acc(acc0, xt, a0, r0, d_in, offs_r, offs_k, k_mask)
-        if N_SLICES > 1 and SLICE_MASK & 2:
-            acc1 = _shrink_acc(acc1, xt, a1, r1, d_in, offs_r, offs_k, k_mask)
-        if N_SLICES > 2 and SLICE_MASK & 4:
-            acc2 = _shrink_acc(acc2, xt, a2, r2, d_in, offs_r, offs_k, k_mask)
+        if A_FIRST:
+            # A's loads issued before X's: A's addresses wait on one table load, X's on the row
+            # indices too, so A's bytes go out one round trip earlier (in program order)
+            r0_kept = r0 if SLICE_MASK & 1 else 0  # slice 0's tile stands in for dropped slices
+            at0 = _a_tile(a0, r0_kept, d_in, offs_r, offs_k, k_mask)
+            at1 = at0
+            at2 = at0
+            if N_SLICES > 1 and SLICE_MASK & 2:
+                at1 = _a_tile(a1, r1, d_in, offs_r, offs_k, k_mask)
+            if N_SLICES > 2 and SLICE_MASK & 4:
+                at2 = _a_tile(a2, r2, d_in, offs_r, offs_k, k_mask)
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if SLICE_MASK & 1:
+                acc0 = tl.dot(xt, tl.trans(at0), acc0)
+            if N_SLICES > 1 and SLICE_MASK & 2:
+                acc1 = tl.dot(xt, tl.trans(at1), acc1)
+            if N_SLICES > 2 and SLICE_MASK & 4:
+                acc2 = tl.dot(xt, tl.trans(at2), acc2)
+        else:
+            # one X tile feeds every slice: X is read once per group, not once per slice
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if SLICE_MASK & 1:
+                acc0 = _shrink_acc(acc0, xt, a0, r0, d_in, offs_r, offs_k, k_mask)
+            if N_SLICES > 1 and SLICE_MASK & 2:
+                acc1 = _shrink_acc(acc1, xt, a1, r1, d_in, offs_r, offs_k, k_mask)
+            if N_SLICES > 2 and SLICE_MASK & 4:
+                acc2 = _shrink_acc(acc2, xt, a2, r2, d_in, offs_r, offs_k, k_mask)
     # Every (split, slice) row block the expand kernel will read is written here, zeros included.
     if SLICE_MASK & 1:
         _shrink_store(h_ptr, acc0, split * N_SLICES, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
@@ -382,7 +405,7 @@ def _fused_shrink_part(
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
-    SEG_TABLES: tl.constexpr = False, EARLY_K: tl.constexpr = 0,
+    SEG_TABLES: tl.constexpr = False, EARLY_K: tl.constexpr = 0, A_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -413,7 +436,7 @@ def _fused_shrink_part(
             _shrink_tile(
                 x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
                 num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, EARLY_K, ae0,
-                ae1, ae2,
+                ae1, ae2, A_FIRST,
             )  # fmt: skip
     else:
         if USE_PDL:
@@ -424,7 +447,8 @@ def _fused_shrink_part(
         if live:
             _shrink_tile(
                 x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
-                num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK,
+                num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, 0, 0, 0, 0,
+                A_FIRST,
             )  # fmt: skip
     if COUNTERS:
         # Publish: every thread's h stores are ordered before the (single-thread) release increment.
@@ -595,7 +619,7 @@ def lora_shrink_pdl_kernel(
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
-    EARLY_K: tl.constexpr = 0,
+    EARLY_K: tl.constexpr = 0, A_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
     `lora_expand_pdl_kernel` (or `lora_expand_rows_kernel`) through the launch boundary instead of
@@ -609,6 +633,7 @@ def lora_shrink_pdl_kernel(
         tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
         rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
         W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, SEG_TABLES, EARLY_K,
+        A_FIRST,
     )  # fmt: skip
 
 
@@ -637,6 +662,7 @@ def lora_expand_rows_kernel(
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr, ATOMIC_Y: tl.constexpr = False,
+    FIRST_B_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """Expand over row tiles that span segments (grid: row tiles x column chunks of all adapted
     slices), after `lora_shrink_pdl_kernel`: a program takes BLOCK_M consecutive rows of the
@@ -650,7 +676,8 @@ def lora_expand_rows_kernel(
     table loads (slot, then table entry), which takes most of the pipeline's stages, so at 4
     stages one B tile is in flight ahead. Deeper forms (more stages, or B tiles prefetched in
     registers with the table entries loaded as vectors before the wait) were slower on an H200:
-    docs/kernels.md."""
+    docs/kernels.md. FIRST_B_EARLY: the first segment's B tile is loaded before the PDL wait
+    (it does not depend on the shrink), and the loop starts at the second segment."""
     pid = tl.program_id(0)
     tile = pid // n_chunks
     i, chunk = _chunk_slice(pid % n_chunks, ch1, ch2)
@@ -669,26 +696,39 @@ def lora_expand_rows_kernel(
     offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_hi - col_lo
     offs_r = tl.arange(0, BLOCK_R)
+    s_first = s_lo
+    if FIRST_B_EARLY:
+        # no live row: a segment index inside the tables, and nothing read
+        s_in = tl.minimum(s_lo, n_segs - 1)
+        bt0, scale0, r_mask0 = _rows_segment_b(
+            s_in, s_lo <= s_hi, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr,
+            n_slots, i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+        )  # fmt: skip
+        s_first = s_lo + 1
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # y and h belong to the shrink launch until it is done
         tl.extra.cuda.gdc_launch_dependents()
     h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, True)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FIRST_B_EARLY:
+        acc = _rows_segment_dot(acc, h, s_lo, row_seg, bt0, scale0, r_mask0, y_ptr.dtype.element_ty)
     if FOR_LOOP:
         # empty when no row of the tile is in a segment
-        for seg in range(s_lo, s_hi + 1):
-            acc = _rows_segment_step(
-                acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab,
-                seg_slots_ptr, n_slots, i, y_ptr.dtype.element_ty, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+        for seg in range(s_first, s_hi + 1):
+            bt, scale, r_mask = _rows_segment_b(
+                seg, True, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots,
+                i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
             )  # fmt: skip
+            acc = _rows_segment_dot(acc, h, seg, row_seg, bt, scale, r_mask, y_ptr.dtype.element_ty)
     else:
         # the interpreter cannot take loaded values as range bounds; the same body in a while loop
-        seg = s_lo
+        seg = s_first
         while seg <= s_hi:
-            acc = _rows_segment_step(
-                acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab,
-                seg_slots_ptr, n_slots, i, y_ptr.dtype.element_ty, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+            bt, scale, r_mask = _rows_segment_b(
+                seg, True, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots,
+                i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
             )  # fmt: skip
+            acc = _rows_segment_dot(acc, h, seg, row_seg, bt, scale, r_mask, y_ptr.dtype.element_ty)
             seg += 1
     # Y after the loop: loaded before it, its tile and 64-bit addresses held across the loop
     # double the registers per thread (compiled for sm_90: 80 -> 168 with 128-column tiles)
@@ -698,17 +738,24 @@ def lora_expand_rows_kernel(
 
 
 @triton.jit
-def _rows_segment_step(
-    acc, h, seg, row_seg, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots,
-    i, OUT_DTYPE: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, SEG_TABLES: tl.constexpr,
+def _rows_segment_b(
+    seg, live, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots, i,
+    RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, SEG_TABLES: tl.constexpr,
 ):  # fmt: skip
-    """One segment's share of a row-loop expand tile: acc += (its rows of s * H) B^T."""
+    """One segment's B tile [BLOCK_R, BLOCK_N] of slice i, its scale and its rank's mask (the
+    tile is all masked off, and reads nothing, when live is false)."""
     slot = _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES)
     b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
     scale = tl.load(scale_tab + i * n_slots + slot)
-    r_mask = offs_r < rank
+    r_mask = offs_r < tl.where(live, rank, 0)
     bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
                  other=0.0)  # fmt: skip
+    return bt, scale, r_mask
+
+
+@triton.jit
+def _rows_segment_dot(acc, h, seg, row_seg, bt, scale, r_mask, OUT_DTYPE: tl.constexpr):
+    """One segment's share of a row-loop expand tile: acc += (its rows of s * H) B^T."""
     # only this segment's rows, only its rank's columns (the shrink may not have written past it)
     own = (row_seg == seg)[:, None] & r_mask[None, :]
     hs = (tl.where(own, h, 0.0) * scale).to(OUT_DTYPE)

@@ -49,6 +49,13 @@ def kernels() -> dict[str, tuple]:
             2,
             3,
         )
+        # each step's A loads issued before its X load
+        out[f"shrink_pdl{pdl}_a_first"] = (
+            tk.lora_shrink_pdl_kernel,
+            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl), A_FIRST=True),
+            2,
+            3,
+        )
         # A tiles loaded before the PDL wait: a whole 512-column chunk (4 warps), or half of it
         for early, warps in ((512, 4), (256, 2)):
             out[f"shrink_pdl{pdl}_early{early}"] = (
@@ -72,6 +79,13 @@ def kernels() -> dict[str, tuple]:
         out[f"expand_rows_pdl{pdl}"] = (
             tk.lora_expand_rows_kernel,
             dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True),
+            4,
+            4,
+        )
+        # the first segment's B tile loaded before the wait
+        out[f"expand_rows_pdl{pdl}_first_b_early"] = (
+            tk.lora_expand_rows_kernel,
+            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, FIRST_B_EARLY=True),
             4,
             4,
         )

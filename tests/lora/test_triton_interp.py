@@ -257,6 +257,17 @@ HANDOFFS = {
     "split launch, row-loop expand, atomic Y": dict(
         fused_split_launch=True, row_loop_min_width=1, row_loop_tile_elems=256, atomic_y=True
     ),
+    # the row-loop expand's first segment's B tile loaded before the PDL wait
+    "split launch, row-loop expand, first B tile early": dict(
+        fused_split_launch=True,
+        row_loop_min_width=1,
+        row_loop_tile_elems=256,
+        row_loop_first_b_early=True,
+        seg_tables=True,
+        atomic_y=True,
+    ),
+    # the shrink's A loads issued before its X load in each step
+    "split launch, A loads first": dict(fused_split_launch=True, shrink_a_first=True, seg_tables=True),
     # the shrink's first A tiles loaded before its PDL wait: one K step (the loop does the rest),
     # or the whole chunk (no loop), with the rest of today's decode default
     "split launch, early A, one K step": dict(fused_split_launch=True, early_a_k=16),
@@ -353,7 +364,7 @@ SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
 SEG_TABLES_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, seg_tables=True)
 ROW_LOOP_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, row_loop_min_width=1, row_loop_tile_elems=256)
 ROW_ATOMIC_DECODE = with_overrides(ROW_LOOP_DECODE, atomic_y=True)
-EARLY_A_DECODE = with_overrides(ROW_ATOMIC_DECODE, early_a_k=32, seg_tables=True)
+EARLY_A_DECODE = with_overrides(ROW_ATOMIC_DECODE, early_a_k=32, seg_tables=True, row_loop_first_b_early=True)
 
 
 @pytest.mark.parametrize(
