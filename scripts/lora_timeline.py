@@ -51,7 +51,11 @@ def _replays(kernels: list[dict]) -> list[tuple[dict | None, list[dict]]]:
 
 
 def timeline(bench: KernelBench, case: KernelCase, variant: str, reps: int) -> dict:
-    graph = bench.timer.capture(bench.layers_fn(case, TILING_VARIANTS[variant]))
+    # the step function holds the backend, metadata and inputs the graph's kernels read: it must
+    # outlive the graph (freed, their memory is reused by the next allocations, such as the
+    # flush's result, and the replays read whatever lands there)
+    step = bench.layers_fn(case, TILING_VARIANTS[variant])
+    graph = bench.timer.capture(step)
     for _ in range(5):
         bench.timer.flush_l2()
         graph.replay()
@@ -85,6 +89,7 @@ def timeline(bench: KernelBench, case: KernelCase, variant: str, reps: int) -> d
     # events outside the profiler should be about the span plus the graph launch
     flush_us = [f["dur"] for f, _ in replays if f is not None]
     graph_us = 1e3 * bench.timer.median_ms(graph.replay)
+    del graph, step  # the graph first: nothing may replay it once its buffers are gone
     return {"variant": variant, "case": case.label, "replays": len(replays), "launches": rows,
             "span_us": span, "flush_to_first_us": statistics.median(gaps) if gaps else None,
             "flush_us": statistics.median(flush_us) if flush_us else None,
