@@ -148,9 +148,17 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode row-loop te4096 w8": with_overrides(DECODE, row_loop_tile_elems=4096, row_loop_warps=8),
     # the row-loop expand's first B tile loaded before its PDL wait; the shrink's A loads issued
     # before its X load in each step
-    "decode first-b-early": with_overrides(DECODE, row_loop_first_b_early=True),
+    "decode first-b-early": with_overrides(DECODE, row_loop_early_b=1),
     "decode a-first": with_overrides(DECODE, shrink_a_first=True),
-    "decode a-first first-b-early": with_overrides(DECODE, shrink_a_first=True, row_loop_first_b_early=True),
+    "decode a-first first-b-early": with_overrides(DECODE, shrink_a_first=True, row_loop_early_b=1),
+    "decode early-b2": with_overrides(DECODE, row_loop_early_b=2),
+    # down (d_in 14336) with a shrink budget of 4 programs per SM: K chunks of 7 steps, not 14
+    "decode first-b-early long-k4": with_overrides(
+        DECODE, row_loop_early_b=1, long_k_min=8192, long_k_per_sm=4
+    ),
+    "decode first-b-early long-k3": with_overrides(
+        DECODE, row_loop_early_b=1, long_k_min=8192, long_k_per_sm=3
+    ),
     # the shrink's A tiles loaded before its PDL wait (held in registers): up to whole chunks of
     # 48 KB with 4 or 8 warps, 256 or 128 columns with 2 warps, or at most 16 KB per program
     "decode early-a w4": with_overrides(DECODE, early_a_k=1024, split_shrink_warps=4),

@@ -489,7 +489,7 @@ class TritonLoRABackend:
             return True
         kernel = self._k.lora_fused_kernel
         if first and cuda:
-            fits, per_sm = False, tiling.per_sm_for(step.block_r)
+            fits, per_sm = False, tiling.per_sm_for(step.block_r, d_in)
             for _ in range(3):  # the program's resources depend a little on the plan's tile counts
                 pos, kw = args(plan)
                 occ = self._programs_per_sm(kernel.warmup(*pos, grid=(plan.programs,), **kw), x.device)
@@ -586,7 +586,7 @@ class TritonLoRABackend:
             tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=y.device.type == "cuda",
-            ATOMIC_Y=tiling.atomic_y, FIRST_B_EARLY=tiling.row_loop_first_b_early,
+            ATOMIC_Y=tiling.atomic_y, EARLY_B=tiling.row_loop_early_b,
             **dict(
                 common,
                 num_stages=tiling.row_loop_stages or common["num_stages"],

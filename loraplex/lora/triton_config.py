@@ -79,9 +79,9 @@ class LoRATiling:
     # registers per thread the row-loop expand may use (0: the compiler's choice): all of gate_up's
     # programs resident at once (one wave) needs at most 72 at 4 warps
     row_loop_maxnreg: int = 0
-    # the row-loop expand loads its first segment's B tile before the PDL wait (the loop then
-    # starts at the second)
-    row_loop_first_b_early: bool = False
+    # the row-loop expand loads its first segments' B tiles (0-2) before the PDL wait (the loop
+    # then starts after them)
+    row_loop_early_b: int = 0
     split_shrink_stages: int = 0  # pipeline stages of the split launch's shrink (0: fused_stages)
     # split launch: the expand adds into Y with one atomic add per element instead of a read and
     # a write (no read round trip after the wait; Y's dtype rounds the LoRA term first)
@@ -91,6 +91,10 @@ class LoRATiling:
     # tiles each K chunk is several rank-chunk programs, and the same budget leaves too few chunks.
     narrow_per_sm: int = 0
     narrow_shrink_stages: int = 0
+    # ... except for groups whose d_in is at least long_k_min (down: 14336), which get a budget
+    # of long_k_per_sm (0: the rank tile's): more, shorter K chunks for the long reduction
+    long_k_min: int = 0
+    long_k_per_sm: int = 0
     # split launch: each shrink program loads the A tiles of up to this many of its chunk's first
     # K columns before its PDL wait (0: none), so that A streams while the kernel before finishes;
     # at most early_a_bytes of them per program (they are held in registers)
@@ -105,8 +109,10 @@ class LoRATiling:
         """Whether its decode calls read per-step segment tables (only the fused split launch does)."""
         return self.seg_tables and self.fused and self.fused_split_launch
 
-    def per_sm_for(self, block_r: int) -> int:
-        """Fused grid budget (programs per SM) for a step of this rank tile."""
+    def per_sm_for(self, block_r: int, d_in: int = 0) -> int:
+        """Fused grid budget (programs per SM) for a step of this rank tile and a group of this d_in."""
+        if self.long_k_min and self.long_k_per_sm and d_in >= self.long_k_min:
+            return self.long_k_per_sm
         return self.narrow_per_sm if block_r <= 16 and self.narrow_per_sm else self.fused_per_sm
 
     def shrink_stages_for(self, block_r: int, k_steps: int | None = None) -> int:
@@ -229,7 +235,7 @@ def plan_fused(
     """
     if not tiling.fused:
         return None
-    budget = num_sms * (per_sm if per_sm is not None else tiling.per_sm_for(block_r))
+    budget = num_sms * (per_sm if per_sm is not None else tiling.per_sm_for(block_r, d_in))
     # The grid is shared in proportion to the bytes each side streams (A: d_in per adapted slice,
     # B: the slices' widths; the rank cancels), so shrink and expand programs carry similar loads.
     # K is split as finely as the shrink share allows (any count, not only powers of two),

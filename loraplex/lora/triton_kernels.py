@@ -662,7 +662,7 @@ def lora_expand_rows_kernel(
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr, ATOMIC_Y: tl.constexpr = False,
-    FIRST_B_EARLY: tl.constexpr = False,
+    EARLY_B: tl.constexpr = 0,
 ):  # fmt: skip
     """Expand over row tiles that span segments (grid: row tiles x column chunks of all adapted
     slices), after `lora_shrink_pdl_kernel`: a program takes BLOCK_M consecutive rows of the
@@ -676,8 +676,8 @@ def lora_expand_rows_kernel(
     table loads (slot, then table entry), which takes most of the pipeline's stages, so at 4
     stages one B tile is in flight ahead. Deeper forms (more stages, or B tiles prefetched in
     registers with the table entries loaded as vectors before the wait) were slower on an H200:
-    docs/kernels.md. FIRST_B_EARLY: the first segment's B tile is loaded before the PDL wait
-    (it does not depend on the shrink), and the loop starts at the second segment."""
+    docs/kernels.md. EARLY_B (0-2): the first segments' B tiles are loaded before the PDL wait
+    (they do not depend on the shrink), and the loop starts after them."""
     pid = tl.program_id(0)
     tile = pid // n_chunks
     i, chunk = _chunk_slice(pid % n_chunks, ch1, ch2)
@@ -696,22 +696,27 @@ def lora_expand_rows_kernel(
     offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_hi - col_lo
     offs_r = tl.arange(0, BLOCK_R)
-    s_first = s_lo
-    if FIRST_B_EARLY:
-        # no live row: a segment index inside the tables, and nothing read
-        s_in = tl.minimum(s_lo, n_segs - 1)
+    if EARLY_B > 0:
+        # a segment index inside the tables when the tile has no such segment, and nothing read
         bt0, scale0, r_mask0 = _rows_segment_b(
-            s_in, s_lo <= s_hi, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr,
-            n_slots, i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+            tl.minimum(s_lo, n_segs - 1), s_lo <= s_hi, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab,
+            scale_tab, seg_slots_ptr, n_slots, i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
         )  # fmt: skip
-        s_first = s_lo + 1
+    if EARLY_B > 1:
+        bt1, scale1, r_mask1 = _rows_segment_b(
+            tl.minimum(s_lo + 1, n_segs - 1), s_lo + 1 <= s_hi, offs_n, n_mask, offs_r, w_base, b_tab,
+            rank_tab, scale_tab, seg_slots_ptr, n_slots, i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+        )  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # y and h belong to the shrink launch until it is done
         tl.extra.cuda.gdc_launch_dependents()
     h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, True)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FIRST_B_EARLY:
+    if EARLY_B > 0:
         acc = _rows_segment_dot(acc, h, s_lo, row_seg, bt0, scale0, r_mask0, y_ptr.dtype.element_ty)
+    if EARLY_B > 1:
+        acc = _rows_segment_dot(acc, h, s_lo + 1, row_seg, bt1, scale1, r_mask1, y_ptr.dtype.element_ty)
+    s_first = s_lo + EARLY_B
     if FOR_LOOP:
         # empty when no row of the tile is in a segment
         for seg in range(s_first, s_hi + 1):

@@ -85,7 +85,7 @@ def kernels() -> dict[str, tuple]:
         # the first segment's B tile loaded before the wait
         out[f"expand_rows_pdl{pdl}_first_b_early"] = (
             tk.lora_expand_rows_kernel,
-            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, FIRST_B_EARLY=True),
+            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, EARLY_B=2),
             4,
             4,
         )

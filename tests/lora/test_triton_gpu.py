@@ -113,7 +113,7 @@ def test_llama3_shapes_shrink_a_before_the_wait(rows: int, form: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "form", [dict(), dict(atomic_y=False), dict(row_loop_first_b_early=True, shrink_a_first=True)], ids=str
+    "form", [dict(), dict(atomic_y=False), dict(row_loop_early_b=2, shrink_a_first=True)], ids=str
 )
 @pytest.mark.parametrize("rows", [24, 64])
 def test_llama3_gate_up_row_loop_expand(rows: int, form: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -283,7 +283,7 @@ WHOLE_LAYER_VARIANTS = {
     "pdl, split launch, early A 256": dict(pdl=True, fused_split_launch=True, early_a_k=256),
     # the row loop's first B tile before the wait (every group, every rank tile); A loads first
     "pdl, split launch, row-loop expand, first B tile early, A first": dict(
-        pdl=True, row_loop_first_b_early=True, shrink_a_first=True, **ROW_LOOP_EVERYWHERE
+        pdl=True, row_loop_early_b=2, shrink_a_first=True, **ROW_LOOP_EVERYWHERE
     ),
 }
 

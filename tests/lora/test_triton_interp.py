@@ -262,7 +262,7 @@ HANDOFFS = {
         fused_split_launch=True,
         row_loop_min_width=1,
         row_loop_tile_elems=256,
-        row_loop_first_b_early=True,
+        row_loop_early_b=1,
         seg_tables=True,
         atomic_y=True,
     ),
@@ -364,7 +364,7 @@ SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
 SEG_TABLES_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, seg_tables=True)
 ROW_LOOP_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, row_loop_min_width=1, row_loop_tile_elems=256)
 ROW_ATOMIC_DECODE = with_overrides(ROW_LOOP_DECODE, atomic_y=True)
-EARLY_A_DECODE = with_overrides(ROW_ATOMIC_DECODE, early_a_k=32, seg_tables=True, row_loop_first_b_early=True)
+EARLY_A_DECODE = with_overrides(ROW_ATOMIC_DECODE, early_a_k=32, seg_tables=True, row_loop_early_b=2)
 
 
 @pytest.mark.parametrize(
