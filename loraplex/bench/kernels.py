@@ -159,6 +159,13 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode first-b-early long-k3": with_overrides(
         DECODE, row_loop_early_b=1, long_k_min=8192, long_k_per_sm=3
     ),
+    # at rank tile 16, K split by each shrink program's bytes of A instead of a grid budget
+    **{
+        f"decode first-b-early bytes{kb}K": with_overrides(
+            DECODE, row_loop_early_b=1, narrow_program_bytes=kb << 10
+        )
+        for kb in (16, 24, 32)
+    },
     # the shrink's A tiles loaded before its PDL wait (held in registers): up to whole chunks of
     # 48 KB with 4 or 8 warps, 256 or 128 columns with 2 warps, or at most 16 KB per program
     "decode early-a w4": with_overrides(DECODE, early_a_k=1024, split_shrink_warps=4),

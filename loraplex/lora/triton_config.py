@@ -95,6 +95,9 @@ class LoRATiling:
     # of long_k_per_sm (0: the rank tile's): more, shorter K chunks for the long reduction
     long_k_min: int = 0
     long_k_per_sm: int = 0
+    # at rank tile 16 (0: by the budget alone): split K so that each shrink program reads at most
+    # about this many bytes of A (qkv's three slices then get a third of o's chunk length)
+    narrow_program_bytes: int = 0
     # split launch: each shrink program loads the A tiles of up to this many of its chunk's first
     # K columns before its PDL wait (0: none), so that A streams while the kernel before finishes;
     # at most early_a_bytes of them per program (they are held in registers)
@@ -111,7 +114,7 @@ class LoRATiling:
 
     def per_sm_for(self, block_r: int, d_in: int = 0) -> int:
         """Fused grid budget (programs per SM) for a step of this rank tile and a group of this d_in."""
-        if self.long_k_min and self.long_k_per_sm and d_in >= self.long_k_min:
+        if self.long_k_min and self.long_k_per_sm and d_in >= self.long_k_min and block_r <= 16:
             return self.long_k_per_sm
         return self.narrow_per_sm if block_r <= 16 and self.narrow_per_sm else self.fused_per_sm
 
@@ -243,6 +246,11 @@ def plan_fused(
     a_cols = d_in * sum(1 for w in widths if w)
     share = min(tiling.fused_max_share, max(tiling.fused_min_share, a_cols / (a_cols + sum(widths))))
     want = int(budget * share) // max(tiles * r_chunks, 1)
+    if tiling.narrow_program_bytes and tiling.fused_expand_sub > 0 and block_r <= 16 and per_sm is None:
+        # K chunks at most this long by each shrink program's share of A (2-byte weights), past
+        # the grid budget where a group's A needs it
+        want = max(want, _cdiv(a_cols * (block_r // r_chunks) * 2, tiling.narrow_program_bytes))
+        budget = max(budget, tiles * r_chunks * want)
     block_n = max(16, min(tiling.fused_block_n, tiling.fused_tile_elems // block_r))
     n_tiles = [_cdiv(w, block_n) for w in widths]
     # fewer K chunks when the expand programs would not fit otherwise
