@@ -159,6 +159,19 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode first-b-early long-k3": with_overrides(
         DECODE, row_loop_early_b=1, long_k_min=8192, long_k_per_sm=3
     ),
+    # the row loop's table entries by inline-assembly loads: B its only pipelined load, 2-4 tiles
+    # in flight (4-6 stages)
+    **{
+        f"decode fbe long-k3 table-asm st{st}": with_overrides(
+            DECODE,
+            row_loop_early_b=1,
+            long_k_min=8192,
+            long_k_per_sm=3,
+            row_loop_table_asm=True,
+            row_loop_stages=st,
+        )
+        for st in (4, 5, 6)
+    },
     # at rank tile 16, K split by each shrink program's bytes of A instead of a grid budget
     **{
         f"decode first-b-early bytes{kb}K": with_overrides(

@@ -587,6 +587,7 @@ class TritonLoRABackend:
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=y.device.type == "cuda",
             ATOMIC_Y=tiling.atomic_y, EARLY_B=tiling.row_loop_early_b,
+            TABLE_ASM=tiling.row_loop_table_asm and y.device.type == "cuda",
             **dict(
                 common,
                 num_stages=tiling.row_loop_stages or common["num_stages"],

@@ -82,6 +82,9 @@ class LoRATiling:
     # the row-loop expand loads its first segments' B tiles (0-2) before the PDL wait (the loop
     # then starts after them)
     row_loop_early_b: int = 0
+    # the row-loop expand (on CUDA) reads its table entries with loads the compiler's pipeliner
+    # does not stage, so that B is its only pipelined load (see `_ld_opaque`)
+    row_loop_table_asm: bool = False
     split_shrink_stages: int = 0  # pipeline stages of the split launch's shrink (0: fused_stages)
     # split launch: the expand adds into Y with one atomic add per element instead of a read and
     # a write (no read round trip after the wait; Y's dtype rounds the LoRA term first)

@@ -662,7 +662,7 @@ def lora_expand_rows_kernel(
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr, ATOMIC_Y: tl.constexpr = False,
-    EARLY_B: tl.constexpr = 0,
+    EARLY_B: tl.constexpr = 0, TABLE_ASM: tl.constexpr = False,
 ):  # fmt: skip
     """Expand over row tiles that span segments (grid: row tiles x column chunks of all adapted
     slices), after `lora_shrink_pdl_kernel`: a program takes BLOCK_M consecutive rows of the
@@ -722,7 +722,7 @@ def lora_expand_rows_kernel(
         for seg in range(s_first, s_hi + 1):
             bt, scale, r_mask = _rows_segment_b(
                 seg, True, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots,
-                i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+                i, RANK_ALIGNED, W_ALIGN, SEG_TABLES, TABLE_ASM,
             )  # fmt: skip
             acc = _rows_segment_dot(acc, h, seg, row_seg, bt, scale, r_mask, y_ptr.dtype.element_ty)
     else:
@@ -743,15 +743,51 @@ def lora_expand_rows_kernel(
 
 
 @triton.jit
+def _ld_opaque(ptr, ASM: tl.constexpr, BITS: tl.constexpr):
+    """A scalar load; ASM: as inline assembly, which the loop pipeliner does not take for a load.
+    It would stage a pipelined table entry through shared memory and wait for all copies in
+    flight before the address that depends on it, draining the B tiles already in flight; an
+    opaque load leaves the B load the loop's only load, which the pipeliner then issues stages
+    ahead."""
+    if ASM:
+        if BITS == 64:
+            return tl.inline_asm_elementwise(
+                "ld.global.nc.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=True, pack=1
+            )
+        elif ptr.dtype.element_ty == tl.float32:
+            return tl.inline_asm_elementwise(
+                "ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.float32, is_pure=True, pack=1
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                "ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1
+            )
+    else:
+        return tl.load(ptr)
+
+
+@triton.jit
 def _rows_segment_b(
     seg, live, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots, i,
     RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, SEG_TABLES: tl.constexpr,
+    TABLE_ASM: tl.constexpr = False,
 ):  # fmt: skip
     """One segment's B tile [BLOCK_R, BLOCK_N] of slice i, its scale and its rank's mask (the
-    tile is all masked off, and reads nothing, when live is false)."""
-    slot = _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES)
-    b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
-    scale = tl.load(scale_tab + i * n_slots + slot)
+    tile is all masked off, and reads nothing, when live is false). TABLE_ASM: the table entries
+    by `_ld_opaque`."""
+    if TABLE_ASM:
+        slot = seg if SEG_TABLES else _ld_opaque(seg_slots_ptr + seg, True, 64)
+        # the values are multiples already; written as such, since the compiler's alignment
+        # analysis takes no hint on an inline-assembly result
+        off = _ld_opaque(b_tab + i * n_slots + slot, True, 64) // W_ALIGN * W_ALIGN
+        rank = _ld_opaque(rank_tab + i * n_slots + slot, True, 32)
+        if RANK_ALIGNED:
+            rank = rank // 8 * 8
+        b_ptr = w_base + off
+    else:
+        slot = _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES)
+        b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
+    scale = _ld_opaque(scale_tab + i * n_slots + slot, TABLE_ASM, 32)
     r_mask = offs_r < tl.where(live, rank, 0)
     bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
                  other=0.0)  # fmt: skip

@@ -89,6 +89,13 @@ def kernels() -> dict[str, tuple]:
             4,
             4,
         )
+        # table entries by inline-assembly loads (B the loop's only pipelined load)
+        out[f"expand_rows_pdl{pdl}_table_asm"] = (
+            tk.lora_expand_rows_kernel,
+            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, EARLY_B=1, TABLE_ASM=True),
+            4,
+            4,
+        )
         # Y updated by atomic adds
         out[f"expand_rows_pdl{pdl}_atomic_y"] = (
             tk.lora_expand_rows_kernel,

@@ -113,7 +113,15 @@ def test_llama3_shapes_shrink_a_before_the_wait(rows: int, form: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "form", [dict(), dict(atomic_y=False), dict(row_loop_early_b=2, shrink_a_first=True)], ids=str
+    "form",
+    [
+        dict(),
+        dict(atomic_y=False),
+        dict(row_loop_early_b=2, shrink_a_first=True),
+        dict(row_loop_early_b=1, row_loop_table_asm=True),
+        dict(row_loop_table_asm=True, row_loop_stages=6),
+    ],
+    ids=str,
 )
 @pytest.mark.parametrize("rows", [24, 64])
 def test_llama3_gate_up_row_loop_expand(rows: int, form: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -282,6 +290,9 @@ WHOLE_LAYER_VARIANTS = {
     ),
     "pdl, split launch, early A 256": dict(pdl=True, fused_split_launch=True, early_a_k=256),
     # the row loop's first B tile before the wait (every group, every rank tile); A loads first
+    "pdl, split launch, row-loop expand, table entries by inline assembly": dict(
+        pdl=True, row_loop_early_b=1, row_loop_table_asm=True, **ROW_LOOP_EVERYWHERE
+    ),
     "pdl, split launch, row-loop expand, first B tile early, A first": dict(
         pdl=True, row_loop_early_b=2, shrink_a_first=True, **ROW_LOOP_EVERYWHERE
     ),
