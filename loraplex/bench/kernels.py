@@ -46,8 +46,13 @@ MAX_ADAPTERS = 64
 LAYERS_PER_GRAPH = 4
 # the decode default of the evening of 2026-11-29, before atomic Y updates, the rank-16 shrink
 # budget and per-step segment tables: the base of the earlier defaults below
+# the decode default of the night of 2026-11-29, before the row loop's early B tile and table
+# entries by inline assembly and down's own shrink budget
+NIGHT_DECODE = with_overrides(
+    DECODE, row_loop_early_b=False, row_loop_table_asm=False, long_k_min=0, long_k_per_sm=0
+)
 EVENING_DECODE = with_overrides(
-    DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0, seg_tables=False
+    NIGHT_DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0, seg_tables=False
 )
 
 TILING_VARIANTS: dict[str, LoRATiling] = {
@@ -146,51 +151,14 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
         for b, st in ((2, 6), (2, 8), (2, 5), (3, 6), (3, 8), (2, 10))
     },
     "decode row-loop te4096 w8": with_overrides(DECODE, row_loop_tile_elems=4096, row_loop_warps=8),
-    # the row-loop expand's first B tile loaded before its PDL wait; the shrink's A loads issued
-    # before its X load in each step
-    "decode first-b-early": with_overrides(DECODE, row_loop_early_b=1),
-    "decode a-first": with_overrides(DECODE, shrink_a_first=True),
-    "decode a-first first-b-early": with_overrides(DECODE, shrink_a_first=True, row_loop_early_b=1),
-    "decode early-b2": with_overrides(DECODE, row_loop_early_b=2),
-    # down (d_in 14336) with a shrink budget of 4 programs per SM: K chunks of 7 steps, not 14
-    "decode first-b-early long-k4": with_overrides(
-        DECODE, row_loop_early_b=1, long_k_min=8192, long_k_per_sm=4
-    ),
-    "decode first-b-early long-k3": with_overrides(
-        DECODE, row_loop_early_b=1, long_k_min=8192, long_k_per_sm=3
-    ),
-    # the row loop's table entries by inline-assembly loads: B its only pipelined load, 2-4 tiles
-    # in flight (4-6 stages)
-    **{
-        f"decode fbe long-k3 table-asm st{st}": with_overrides(
-            DECODE,
-            row_loop_early_b=1,
-            long_k_min=8192,
-            long_k_per_sm=3,
-            row_loop_table_asm=True,
-            row_loop_stages=st,
-        )
-        for st in (4, 5, 6)
-    },
-    # at rank tile 16, K split by each shrink program's bytes of A instead of a grid budget
-    **{
-        f"decode first-b-early bytes{kb}K": with_overrides(
-            DECODE, row_loop_early_b=1, narrow_program_bytes=kb << 10
-        )
-        for kb in (16, 24, 32)
-    },
-    # the shrink's A tiles loaded before its PDL wait (held in registers): up to whole chunks of
-    # 48 KB with 4 or 8 warps, 256 or 128 columns with 2 warps, or at most 16 KB per program
-    "decode early-a w4": with_overrides(DECODE, early_a_k=1024, split_shrink_warps=4),
-    "decode early-a w8": with_overrides(DECODE, early_a_k=1024, split_shrink_warps=8),
-    "decode early-a 256": with_overrides(DECODE, early_a_k=256),
-    "decode early-a 128": with_overrides(DECODE, early_a_k=128),
-    "decode early-a w4 16K": with_overrides(
-        DECODE, early_a_k=1024, split_shrink_warps=4, early_a_bytes=16384
-    ),
-    "decode early-a w4 budget3": with_overrides(
-        DECODE, early_a_k=1024, split_shrink_warps=4, narrow_per_sm=3
-    ),
+    # the default before the night of 2026-11-29 (no early B tile, no long-K budget, table entries
+    # by pipelined loads), and each of those three changes taken back alone
+    "decode night": NIGHT_DECODE,
+    "decode no early-b": with_overrides(DECODE, row_loop_early_b=False),
+    "decode no long-k": with_overrides(DECODE, long_k_min=0, long_k_per_sm=0),
+    "decode no table-asm": with_overrides(DECODE, row_loop_table_asm=False),
+    # the row loop with its B tiles 4 or 5 ahead (tables by inline assembly: 5 or 6 stages)
+    "decode row-loop stages=5": with_overrides(DECODE, row_loop_stages=5),
     "prefill": PREFILL,
 }
 TILING_CASES = (

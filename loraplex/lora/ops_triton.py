@@ -534,19 +534,12 @@ class TritonLoRABackend:
             SEG_TABLES=call.seg_tabs is not None, num_stages=tiling.fused_stages, **pdl,
         )  # fmt: skip
         expand_warps = tiling.split_expand_warps or tiling.fused_warps
-        block_rc = step.block_r // call.r_chunks
-        early_k = tiling.early_k_for(
-            plan.split.k_chunk, sum(1 for w in widths if w) * block_rc * dev.base.element_size()
-        )
-        # stages for the K steps left after the early ones (none left: the loop is empty)
-        k_steps = (plan.split.k_chunk - early_k) // tiling.block_k
-        shrink_stages = tiling.shrink_stages_for(step.block_r, max(k_steps, 1))
+        shrink_stages = tiling.shrink_stages_for(step.block_r, plan.split.k_chunk // tiling.block_k)
         self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
-            SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=block_rc,
-            K_CHUNK=plan.split.k_chunk, EARLY_K=early_k, A_FIRST=tiling.shrink_a_first,
-            num_warps=tiling.split_shrink_warps or tiling.fused_warps,
+            SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
+            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps,
             **dict(common, num_stages=shrink_stages),
         )  # fmt: skip
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments, step.block_r, sum(widths)):

@@ -79,9 +79,9 @@ class LoRATiling:
     # registers per thread the row-loop expand may use (0: the compiler's choice): all of gate_up's
     # programs resident at once (one wave) needs at most 72 at 4 warps
     row_loop_maxnreg: int = 0
-    # the row-loop expand loads its first segments' B tiles (0-2) before the PDL wait (the loop
-    # then starts after them)
-    row_loop_early_b: int = 0
+    # the row-loop expand loads its first segment's B tile before the PDL wait (the loop then
+    # starts at the second)
+    row_loop_early_b: bool = False
     # the row-loop expand (on CUDA) reads its table entries with loads the compiler's pipeliner
     # does not stage, so that B is its only pipelined load (see `_ld_opaque`)
     row_loop_table_asm: bool = False
@@ -98,17 +98,6 @@ class LoRATiling:
     # of long_k_per_sm (0: the rank tile's): more, shorter K chunks for the long reduction
     long_k_min: int = 0
     long_k_per_sm: int = 0
-    # at rank tile 16 (0: by the budget alone): split K so that each shrink program reads at most
-    # about this many bytes of A (qkv's three slices then get a third of o's chunk length)
-    narrow_program_bytes: int = 0
-    # split launch: each shrink program loads the A tiles of up to this many of its chunk's first
-    # K columns before its PDL wait (0: none), so that A streams while the kernel before finishes;
-    # at most early_a_bytes of them per program (they are held in registers)
-    early_a_k: int = 0
-    early_a_bytes: int = 49152
-    split_shrink_warps: int = 0  # warps of the split launch's shrink (0: fused_warps)
-    # split launch: the shrink's loop issues each step's A loads before its X load
-    shrink_a_first: bool = False
 
     @property
     def reads_segment_tables(self) -> bool:
@@ -128,18 +117,6 @@ class LoRATiling:
             return min(self.narrow_shrink_stages, k_steps + 2) if k_steps else self.narrow_shrink_stages
         return self.split_shrink_stages or self.fused_stages
 
-    def early_k_for(self, k_chunk: int, a_column_bytes: int) -> int:
-        """K columns of A a split-launch shrink program loads before its PDL wait: the largest
-        power of two that is a multiple of block_k, at most early_a_k and the K chunk, and whose
-        tiles (a_column_bytes per column: every kept slice's rank chunk) fit early_a_bytes; 0
-        when none does (a register tile's sides are powers of two)."""
-        k = 0
-        c = self.block_k
-        while c <= min(self.early_a_k, k_chunk) and c * a_column_bytes <= self.early_a_bytes:
-            k = c
-            c *= 2
-        return k if k and (k & (k - 1)) == 0 else 0
-
     def __hash__(self) -> int:
         # part of the backend's per-call cache keys: hashed once, not over ~35 fields every call
         h = self.__dict__.get("_hash")
@@ -156,14 +133,17 @@ class LoRATiling:
 # expand programs wait for. gate_up (the only group 8192+ columns wide) at rank tile 16 with
 # short segments takes the row-loop expand with 128-column tiles. The expands add into Y with
 # atomic adds (no read of Y). At rank tile 16 the shrink has a budget of 2 programs per SM (fewer,
-# longer K chunks) and up to 8 pipeline stages. The kernels read per-step segment tables
-# (`begin_step` gathers them), one dependent load fewer per program.
+# longer K chunks) and up to 8 pipeline stages, except down (d_in 14336), which gets 3 per SM. The
+# kernels read per-step segment tables (`begin_step` gathers them), one dependent load fewer per
+# program. The row-loop expand reads its table entries with loads the pipeliner leaves alone (B
+# tiles 3 ahead instead of one at a time) and loads its first B tile before the PDL wait.
 DECODE = LoRATiling(
     "decode", 16, 128, 16, 128, 512, 4, 4, 4, 3, 16, fused=True, pdl=True, fused_expand_sub=1,
     fused_min_share=1.0, fused_max_share=1.0, fused_max_split=32, fused_warps=2, fused_split_launch=True,
     split_expand_warps=4, fused_max_rank=64, fused_tile_elems=16384, fused_stages=4,
     row_loop_min_width=8192, row_loop_max_rank=16, row_loop_tile_elems=2048, atomic_y=True,
-    narrow_per_sm=2, narrow_shrink_stages=8, seg_tables=True,
+    narrow_per_sm=2, narrow_shrink_stages=8, seg_tables=True, long_k_min=8192, long_k_per_sm=3,
+    row_loop_early_b=True, row_loop_table_asm=True,
 )  # fmt: skip
 PREFILL = LoRATiling("prefill", 64, 64, 16, 128, 256, 4, 3, 4, 3, 4)
 TILINGS = {t.name: t for t in (DECODE, PREFILL)}
@@ -249,11 +229,6 @@ def plan_fused(
     a_cols = d_in * sum(1 for w in widths if w)
     share = min(tiling.fused_max_share, max(tiling.fused_min_share, a_cols / (a_cols + sum(widths))))
     want = int(budget * share) // max(tiles * r_chunks, 1)
-    if tiling.narrow_program_bytes and tiling.fused_expand_sub > 0 and block_r <= 16 and per_sm is None:
-        # K chunks at most this long by each shrink program's share of A (2-byte weights), past
-        # the grid budget where a group's A needs it
-        want = max(want, _cdiv(a_cols * (block_r // r_chunks) * 2, tiling.narrow_program_bytes))
-        budget = max(budget, tiles * r_chunks * want)
     block_n = max(16, min(tiling.fused_block_n, tiling.fused_tile_elems // block_r))
     n_tiles = [_cdiv(w, block_n) for w in widths]
     # fewer K chunks when the expand programs would not fit otherwise

@@ -36,18 +36,14 @@ def _slice_entry(
 
 
 @triton.jit
-def _a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask):
+def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
     # a: [r, d_in] row-major; the tile is [BLOCK_R, BLOCK_K], rows past the rank masked (no bytes)
-    return tl.load(
+    at = tl.load(
         a_ptr + offs_r[:, None] * d_in + offs_k[None, :],
         mask=(offs_r[:, None] < rank) & k_mask[None, :],
         other=0.0,
     )
-
-
-@triton.jit
-def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
-    return tl.dot(xt, tl.trans(_a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask)), acc)
+    return tl.dot(xt, tl.trans(at), acc)
 
 
 @triton.jit
@@ -84,59 +80,25 @@ def _shrink_tile(
     x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm, num_rows,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr, K_CHUNK: tl.constexpr,
-    EARLY_K: tl.constexpr = 0, ae0=0, ae1=0, ae2=0, A_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice.
-    EARLY_K > 0: ae0..ae2 are the slices' A tiles of the chunk's first EARLY_K columns, already
-    loaded (`_early_a`); the loop covers the rest."""
+    """One row tile's partial H over one K chunk, for one chunk of rank columns and every slice."""
     acc0 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_RC), dtype=tl.float32)
     x_rows = x_ptr + rows[:, None] * stride_xm
     k_lo = split * K_CHUNK
-    if EARLY_K > 0:
-        # X as [steps, BLOCK_M, BLOCK_K], a batch of one small dot per K step, summed over steps
-        offs_ke = _early_k_offsets(k_lo, EARLY_K, BLOCK_K)
-        ke_mask = offs_ke < d_in
-        xe_mask = m_mask[None, :, None] & ke_mask[:, None, :]
-        xe = tl.load(x_rows[None, :, :] + offs_ke[:, None, :], mask=xe_mask, other=0.0)
-        if SLICE_MASK & 1:
-            acc0 += tl.sum(tl.dot(xe, tl.permute(ae0, (0, 2, 1))), axis=0)
-        if N_SLICES > 1 and SLICE_MASK & 2:
-            acc1 += tl.sum(tl.dot(xe, tl.permute(ae1, (0, 2, 1))), axis=0)
-        if N_SLICES > 2 and SLICE_MASK & 4:
-            acc2 += tl.sum(tl.dot(xe, tl.permute(ae2, (0, 2, 1))), axis=0)
     # Compile-time trip counts: the compiler can pipeline fully (and the interpreter needs them).
-    for kk in range(EARLY_K, K_CHUNK, BLOCK_K):
+    for kk in range(0, K_CHUNK, BLOCK_K):
         offs_k = k_lo + kk + tl.arange(0, BLOCK_K)
         k_mask = offs_k < d_in  # chunks never overlap (the loop stays inside K_CHUNK)
-        if A_FIRST:
-            # A's loads issued before X's: A's addresses wait on one table load, X's on the row
-            # indices too, so A's bytes go out one round trip earlier (in program order)
-            r0_kept = r0 if SLICE_MASK & 1 else 0  # slice 0's tile stands in for dropped slices
-            at0 = _a_tile(a0, r0_kept, d_in, offs_r, offs_k, k_mask)
-            at1 = at0
-            at2 = at0
-            if N_SLICES > 1 and SLICE_MASK & 2:
-                at1 = _a_tile(a1, r1, d_in, offs_r, offs_k, k_mask)
-            if N_SLICES > 2 and SLICE_MASK & 4:
-                at2 = _a_tile(a2, r2, d_in, offs_r, offs_k, k_mask)
-            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if SLICE_MASK & 1:
-                acc0 = tl.dot(xt, tl.trans(at0), acc0)
-            if N_SLICES > 1 and SLICE_MASK & 2:
-                acc1 = tl.dot(xt, tl.trans(at1), acc1)
-            if N_SLICES > 2 and SLICE_MASK & 4:
-                acc2 = tl.dot(xt, tl.trans(at2), acc2)
-        else:
-            # one X tile feeds every slice: X is read once per group, not once per slice
-            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if SLICE_MASK & 1:
-                acc0 = _shrink_acc(acc0, xt, a0, r0, d_in, offs_r, offs_k, k_mask)
-            if N_SLICES > 1 and SLICE_MASK & 2:
-                acc1 = _shrink_acc(acc1, xt, a1, r1, d_in, offs_r, offs_k, k_mask)
-            if N_SLICES > 2 and SLICE_MASK & 4:
-                acc2 = _shrink_acc(acc2, xt, a2, r2, d_in, offs_r, offs_k, k_mask)
+        # one X tile feeds every slice: X is read once per group, not once per slice
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if SLICE_MASK & 1:
+            acc0 = _shrink_acc(acc0, xt, a0, r0, d_in, offs_r, offs_k, k_mask)
+        if N_SLICES > 1 and SLICE_MASK & 2:
+            acc1 = _shrink_acc(acc1, xt, a1, r1, d_in, offs_r, offs_k, k_mask)
+        if N_SLICES > 2 and SLICE_MASK & 4:
+            acc2 = _shrink_acc(acc2, xt, a2, r2, d_in, offs_r, offs_k, k_mask)
     # Every (split, slice) row block the expand kernel will read is written here, zeros included.
     if SLICE_MASK & 1:
         _shrink_store(h_ptr, acc0, split * N_SLICES, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
@@ -144,44 +106,6 @@ def _shrink_tile(
         _shrink_store(h_ptr, acc1, split * N_SLICES + 1, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
     if N_SLICES > 2 and SLICE_MASK & 4:
         _shrink_store(h_ptr, acc2, split * N_SLICES + 2, num_rows, offs_m, m_mask, offs_r, BLOCK_R)
-
-
-@triton.jit
-def _early_k_offsets(k_lo, EARLY_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[EARLY_K // BLOCK_K, BLOCK_K] columns k_lo + (step, k)."""
-    steps = tl.arange(0, EARLY_K // BLOCK_K)
-    return k_lo + steps[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-
-
-@triton.jit
-def _early_a_tile(a_ptr, rank, d_in, offs_r, offs_k, k_mask):
-    # [steps, BLOCK_RC, BLOCK_K]: one plane per K step, so that the dot is a batch of small ones
-    return tl.load(
-        a_ptr + offs_r[None, :, None] * d_in + offs_k[:, None, :],
-        mask=(offs_r[None, :, None] < rank) & k_mask[:, None, :],
-        other=0.0,
-    )
-
-
-@triton.jit
-def _early_a(
-    a0, r0, a1, r1, a2, r2, live, d_in, offs_r, k_lo, N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr,
-    EARLY_K: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The A tiles [BLOCK_RC, EARLY_K] of every kept slice from column k_lo on, issued before the
-    PDL wait: A does not depend on the kernel before, so its bytes stream while that kernel
-    finishes instead of after it. Nothing is read for an idle program (live false). A slice
-    SLICE_MASK drops gets slice 0's tile (never used)."""
-    offs_k = _early_k_offsets(k_lo, EARLY_K, BLOCK_K)
-    k_mask = offs_k < d_in
-    ae0 = _early_a_tile(a0, tl.where(live & ((SLICE_MASK & 1) != 0), r0, 0), d_in, offs_r, offs_k, k_mask)
-    ae1 = ae0
-    ae2 = ae0
-    if N_SLICES > 1 and SLICE_MASK & 2:
-        ae1 = _early_a_tile(a1, tl.where(live, r1, 0), d_in, offs_r, offs_k, k_mask)
-    if N_SLICES > 2 and SLICE_MASK & 4:
-        ae2 = _early_a_tile(a2, tl.where(live, r2, 0), d_in, offs_r, offs_k, k_mask)
-    return ae0, ae1, ae2
 
 
 @triton.jit
@@ -405,7 +329,7 @@ def _fused_shrink_part(
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
-    SEG_TABLES: tl.constexpr = False, EARLY_K: tl.constexpr = 0, A_FIRST: tl.constexpr = False,
+    SEG_TABLES: tl.constexpr = False,
 ):  # fmt: skip
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
@@ -424,32 +348,16 @@ def _fused_shrink_part(
     m_mask = offs_m < seg_hi
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
-    live = (m0 < seg_hi) & (rc * BLOCK_RC < r_max)
-    if EARLY_K > 0:
-        ae0, ae1, ae2 = _early_a(
-            a0, r0, a1, r1, a2, r2, live, d_in, offs_r, split * K_CHUNK, N_SLICES, SLICE_MASK, EARLY_K,
-            BLOCK_K,
+    if USE_PDL:
+        # Everything above reads only metadata and weights; X, h and the counters may still be in
+        # use by the kernel this one overlaps, so they wait for it to finish.
+        tl.extra.cuda.gdc_wait()
+    # An idle program (past its segment's rows or its adapter's rank) still arrives below.
+    if (m0 < seg_hi) & (rc * BLOCK_RC < r_max):
+        _shrink_tile(
+            x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
+            num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK,
         )  # fmt: skip
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()  # as below; the A tiles above are in flight across it
-        if live:
-            _shrink_tile(
-                x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
-                num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, EARLY_K, ae0,
-                ae1, ae2, A_FIRST,
-            )  # fmt: skip
-    else:
-        if USE_PDL:
-            # Everything above reads only metadata and weights; X, h and the counters may still be
-            # in use by the kernel this one overlaps, so they wait for it to finish.
-            tl.extra.cuda.gdc_wait()
-        # An idle program (past its segment's rows or its adapter's rank) still arrives below.
-        if live:
-            _shrink_tile(
-                x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
-                num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, 0, 0, 0, 0,
-                A_FIRST,
-            )  # fmt: skip
     if COUNTERS:
         # Publish: every thread's h stores are ordered before the (single-thread) release increment.
         tl.debug_barrier()
@@ -619,21 +527,18 @@ def lora_shrink_pdl_kernel(
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
     K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
-    EARLY_K: tl.constexpr = 0, A_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
     `lora_expand_pdl_kernel` (or `lora_expand_rows_kernel`) through the launch boundary instead of
     counters. With PDL the expand launch may start at once: its programs load their B tiles while
-    these run. EARLY_K > 0: each program loads the A tiles of its chunk's first EARLY_K columns
-    before its PDL wait."""
+    these run."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     PART_PDL: tl.constexpr = 2 if USE_PDL else 0  # wait for the kernel before; trigger done above
     _fused_shrink_part(
         tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
         rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, SEG_TABLES, EARLY_K,
-        A_FIRST,
+        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, SEG_TABLES,
     )  # fmt: skip
 
 
@@ -662,7 +567,7 @@ def lora_expand_rows_kernel(
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr, ATOMIC_Y: tl.constexpr = False,
-    EARLY_B: tl.constexpr = 0, TABLE_ASM: tl.constexpr = False,
+    EARLY_B: tl.constexpr = False, TABLE_ASM: tl.constexpr = False,
 ):  # fmt: skip
     """Expand over row tiles that span segments (grid: row tiles x column chunks of all adapted
     slices), after `lora_shrink_pdl_kernel`: a program takes BLOCK_M consecutive rows of the
@@ -672,12 +577,15 @@ def lora_expand_rows_kernel(
     programs. row_seg: [num_rows] int32, the segment of every row (n_segs past the last
     segment's rows).
 
-    The loop is counted, so the compiler pipelines it; each B tile's address hangs on a chain of
-    table loads (slot, then table entry), which takes most of the pipeline's stages, so at 4
-    stages one B tile is in flight ahead. Deeper forms (more stages, or B tiles prefetched in
-    registers with the table entries loaded as vectors before the wait) were slower on an H200:
-    docs/kernels.md. EARLY_B (0-2): the first segments' B tiles are loaded before the PDL wait
-    (they do not depend on the shrink), and the loop starts after them."""
+    The loop is counted, so the compiler pipelines it. Each B tile's address hangs on table
+    loads (the segment's entry), and a pipelined table load is staged through shared memory
+    behind a wait for every copy in flight, which drains the B tiles issued ahead: in effect one
+    B tile at a time. TABLE_ASM (CUDA only) reads the entries by `_ld_opaque`, which the
+    pipeliner leaves alone, so it stages B alone, num_stages - 1 tiles ahead. EARLY_B loads the
+    first segment's B tile before the PDL wait (it does not depend on the shrink); the loop then
+    starts at the second. Deeper pipelines (more stages; B tiles prefetched in registers) took
+    more registers than one wave of gate_up's programs allows and were slower on an H200:
+    docs/kernels.md."""
     pid = tl.program_id(0)
     tile = pid // n_chunks
     i, chunk = _chunk_slice(pid % n_chunks, ch1, ch2)
@@ -696,27 +604,20 @@ def lora_expand_rows_kernel(
     offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_hi - col_lo
     offs_r = tl.arange(0, BLOCK_R)
-    if EARLY_B > 0:
-        # a segment index inside the tables when the tile has no such segment, and nothing read
+    if EARLY_B:
+        # a segment index inside the tables when the tile has no live row, and nothing read
         bt0, scale0, r_mask0 = _rows_segment_b(
             tl.minimum(s_lo, n_segs - 1), s_lo <= s_hi, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab,
             scale_tab, seg_slots_ptr, n_slots, i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
-        )  # fmt: skip
-    if EARLY_B > 1:
-        bt1, scale1, r_mask1 = _rows_segment_b(
-            tl.minimum(s_lo + 1, n_segs - 1), s_lo + 1 <= s_hi, offs_n, n_mask, offs_r, w_base, b_tab,
-            rank_tab, scale_tab, seg_slots_ptr, n_slots, i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
         )  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # y and h belong to the shrink launch until it is done
         tl.extra.cuda.gdc_launch_dependents()
     h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, True)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if EARLY_B > 0:
+    if EARLY_B:
         acc = _rows_segment_dot(acc, h, s_lo, row_seg, bt0, scale0, r_mask0, y_ptr.dtype.element_ty)
-    if EARLY_B > 1:
-        acc = _rows_segment_dot(acc, h, s_lo + 1, row_seg, bt1, scale1, r_mask1, y_ptr.dtype.element_ty)
-    s_first = s_lo + EARLY_B
+    s_first = s_lo + 1 if EARLY_B else s_lo
     if FOR_LOOP:
         # empty when no row of the tile is in a segment
         for seg in range(s_first, s_hi + 1):

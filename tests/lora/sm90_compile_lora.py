@@ -49,24 +49,6 @@ def kernels() -> dict[str, tuple]:
             2,
             3,
         )
-        # each step's A loads issued before its X load
-        out[f"shrink_pdl{pdl}_a_first"] = (
-            tk.lora_shrink_pdl_kernel,
-            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl), A_FIRST=True),
-            2,
-            3,
-        )
-        # A tiles loaded before the PDL wait: a whole 512-column chunk (4 warps), or half of it
-        for early, warps in ((512, 4), (256, 2)):
-            out[f"shrink_pdl{pdl}_early{early}"] = (
-                tk.lora_shrink_pdl_kernel,
-                dict(
-                    COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=8, USE_PDL=pdl, SEG_TABLES=bool(pdl),
-                    EARLY_K=early,
-                ) | {"K_CHUNK": 512},
-                warps,
-                4,
-            )  # fmt: skip
         consts = dict(COMMON, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl))
         out[f"expand_pdl{pdl}"] = (tk.lora_expand_pdl_kernel, consts, 4, 3)
         # two tiles per program (both B tiles loaded before the wait), and a looped third
@@ -82,17 +64,17 @@ def kernels() -> dict[str, tuple]:
             4,
             4,
         )
-        # the first segment's B tile loaded before the wait
-        out[f"expand_rows_pdl{pdl}_first_b_early"] = (
+        # the first segment's B tile loaded before the wait, table entries by pipelined loads
+        out[f"expand_rows_pdl{pdl}_early_b"] = (
             tk.lora_expand_rows_kernel,
-            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, EARLY_B=2),
+            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, EARLY_B=True),
             4,
             4,
         )
         # table entries by inline-assembly loads (B the loop's only pipelined load)
         out[f"expand_rows_pdl{pdl}_table_asm"] = (
             tk.lora_expand_rows_kernel,
-            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, EARLY_B=1, TABLE_ASM=True),
+            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, EARLY_B=True, TABLE_ASM=True),
             4,
             4,
         )

@@ -120,3 +120,18 @@ def test_narrow_budget_and_stages_apply_at_rank_tile_16_only() -> None:
     assert tiling.shrink_stages_for(16, k_steps=2) == 4  # no more buffers than K steps need
     unset = with_overrides(tiling, narrow_per_sm=0, narrow_shrink_stages=0)
     assert (unset.per_sm_for(16), unset.shrink_stages_for(16)) == (6, 4)
+
+
+def test_long_k_budget_applies_to_long_reductions_at_rank_tile_16() -> None:
+    # down (K = 14336) gets 3 programs per SM at rank tile 16; qkv/o/gate_up (K = 4096) keep 2, and
+    # rank tile 64 keeps the wide budget whatever K is
+    tiling = with_overrides(DECODE, fused_per_sm=6, narrow_per_sm=2, long_k_min=8192, long_k_per_sm=3)
+    assert (tiling.per_sm_for(16, 14336), tiling.per_sm_for(16, 4096), tiling.per_sm_for(64, 14336)) == (
+        3,
+        2,
+        6,
+    )
+    down = plan_fused(tiling, 32, 1, 14336, (4096,), 16, 132)
+    assert down is not None and down.n_shrink == 384 and down.split.k_chunk == 1280  # 12 chunks of 10 steps
+    without = plan_fused(with_overrides(tiling, long_k_per_sm=0), 32, 1, 14336, (4096,), 16, 132)
+    assert without is not None and without.n_shrink == 256

@@ -98,28 +98,12 @@ def test_llama3_shapes_rows_1_to_8192(rows: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "form", [dict(early_a_k=1024, split_shrink_warps=4), dict(early_a_k=256), dict(early_a_k=128)], ids=str
-)
-@pytest.mark.parametrize("rows", [1, 64, 256])
-def test_llama3_shapes_shrink_a_before_the_wait(rows: int, form: dict) -> None:
-    # decode rows at every rank, each shrink program's first A tiles loaded before its PDL wait
-    from loraplex.lora.triton_config import DECODE, with_overrides
-
-    table = make_table([8, 16, 32, 64, 16, 8, 64, 32], DTYPE, DEV, shapes=LLAMA3_8B_SHAPES, seed=5)
-    slots = row_slots(spread(rows, 8, seed=6), 1, base_every=5)
-    _check(_backend(with_overrides(DECODE, **form)), slots, table, LLAMA3_8B_SHAPES)
-    uniform = make_table([16] * 8, DTYPE, DEV, shapes=LLAMA3_8B_SHAPES, seed=7)  # rank tile 16
-    _check(_backend(with_overrides(DECODE, **form)), slots, uniform, LLAMA3_8B_SHAPES)
-
-
-@pytest.mark.parametrize(
     "form",
     [
         dict(),
         dict(atomic_y=False),
-        dict(row_loop_early_b=2, shrink_a_first=True),
-        dict(row_loop_early_b=1, row_loop_table_asm=True),
-        dict(row_loop_table_asm=True, row_loop_stages=6),
+        dict(row_loop_early_b=False, row_loop_table_asm=False),  # the night of 2026-11-29's form
+        dict(row_loop_early_b=False, row_loop_stages=6),  # B tiles 5 ahead
     ],
     ids=str,
 )
@@ -284,17 +268,13 @@ WHOLE_LAYER_VARIANTS = {
     "pdl, split launch, 2 tiles per expand program": dict(
         pdl=True, fused_split_launch=True, fused_expand_sub=2
     ),
-    # the shrink's A tiles loaded before its PDL wait (whole chunks at 4 warps; 256 columns at 2)
-    "pdl, split launch, early A, 4-warp shrink": dict(
-        pdl=True, fused_split_launch=True, early_a_k=1024, split_shrink_warps=4
+    # the row loop (every group, every rank tile) with its first B tile before the wait and table
+    # entries by inline assembly, as the default has it for gate_up at rank tile 16; and without
+    "pdl, split launch, row-loop expand, early B tile, table entries by inline assembly": dict(
+        pdl=True, row_loop_early_b=True, row_loop_table_asm=True, **ROW_LOOP_EVERYWHERE
     ),
-    "pdl, split launch, early A 256": dict(pdl=True, fused_split_launch=True, early_a_k=256),
-    # the row loop's first B tile before the wait (every group, every rank tile); A loads first
-    "pdl, split launch, row-loop expand, table entries by inline assembly": dict(
-        pdl=True, row_loop_early_b=1, row_loop_table_asm=True, **ROW_LOOP_EVERYWHERE
-    ),
-    "pdl, split launch, row-loop expand, first B tile early, A first": dict(
-        pdl=True, row_loop_early_b=2, shrink_a_first=True, **ROW_LOOP_EVERYWHERE
+    "pdl, split launch, row-loop expand, pipelined table entries": dict(
+        pdl=True, row_loop_early_b=False, row_loop_table_asm=False, **ROW_LOOP_EVERYWHERE
     ),
 }
 

@@ -262,22 +262,9 @@ HANDOFFS = {
         fused_split_launch=True,
         row_loop_min_width=1,
         row_loop_tile_elems=256,
-        row_loop_early_b=1,
+        row_loop_early_b=True,
         seg_tables=True,
         atomic_y=True,
-    ),
-    # the shrink's A loads issued before its X load in each step
-    "split launch, A loads first": dict(fused_split_launch=True, shrink_a_first=True, seg_tables=True),
-    # the shrink's first A tiles loaded before its PDL wait: one K step (the loop does the rest),
-    # or the whole chunk (no loop), with the rest of today's decode default
-    "split launch, early A, one K step": dict(fused_split_launch=True, early_a_k=16),
-    "split launch, early A, whole chunk, atomic Y, segment tables": dict(
-        fused_split_launch=True,
-        early_a_k=1024,
-        atomic_y=True,
-        seg_tables=True,
-        row_loop_min_width=1,
-        row_loop_tile_elems=256,
     ),
 }
 
@@ -364,18 +351,19 @@ SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
 SEG_TABLES_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, seg_tables=True)
 ROW_LOOP_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, row_loop_min_width=1, row_loop_tile_elems=256)
 ROW_ATOMIC_DECODE = with_overrides(ROW_LOOP_DECODE, atomic_y=True)
-EARLY_A_DECODE = with_overrides(ROW_ATOMIC_DECODE, early_a_k=32, seg_tables=True, row_loop_early_b=2)
+EARLY_B_DECODE = with_overrides(ROW_ATOMIC_DECODE, seg_tables=True, row_loop_early_b=True)
 
 
 @pytest.mark.parametrize(
     "tiling",
     [
         FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, SEG_TABLES_DECODE, ROW_LOOP_DECODE,
-        ROW_ATOMIC_DECODE, EARLY_A_DECODE, SPLIT_DECODE,
+        ROW_ATOMIC_DECODE, EARLY_B_DECODE, SPLIT_DECODE,
     ],
     ids=[
         "fused-all-resident", "fused-streamed", "split-launch", "split-launch-segment-tables",
-        "split-launch-row-loop", "split-launch-row-loop-atomic-y", "split-launch-early-a", "two-launch",
+        "split-launch-row-loop", "split-launch-row-loop-atomic-y", "split-launch-row-loop-early-b",
+        "two-launch",
     ],
 )  # fmt: skip
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
