@@ -621,9 +621,11 @@ def lora_expand_rows_kernel(
     if FOR_LOOP:
         # empty when no row of the tile is in a segment
         for seg in range(s_first, s_hi + 1):
+            # the pipeliner also runs the table loads for up to num_stages - 1 iterations past the
+            # end (unpredicated, with TABLE_ASM): an index inside the tables keeps them in bounds
             bt, scale, r_mask = _rows_segment_b(
-                seg, True, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots,
-                i, RANK_ALIGNED, W_ALIGN, SEG_TABLES, TABLE_ASM,
+                tl.minimum(seg, n_segs - 1), True, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab,
+                seg_slots_ptr, n_slots, i, RANK_ALIGNED, W_ALIGN, SEG_TABLES, TABLE_ASM,
             )  # fmt: skip
             acc = _rows_segment_dot(acc, h, seg, row_seg, bt, scale, r_mask, y_ptr.dtype.element_ty)
     else:
@@ -649,7 +651,9 @@ def _ld_opaque(ptr, ASM: tl.constexpr, BITS: tl.constexpr):
     It would stage a pipelined table entry through shared memory and wait for all copies in
     flight before the address that depends on it, draining the B tiles already in flight; an
     opaque load leaves the B load the loop's only load, which the pipeliner then issues stages
-    ahead."""
+    ahead. The pipeliner runs it unpredicated for the iterations past the loop's end that its
+    prologue and last stages cover, so its address must be valid there too (callers clamp the
+    segment index)."""
     if ASM:
         if BITS == 64:
             return tl.inline_asm_elementwise(
