@@ -58,8 +58,9 @@ EVENING_DECODE = with_overrides(
 TILING_VARIANTS: dict[str, LoRATiling] = {
     # today's default: the fused plan as two PDL launches (2-warp shrink, 4-warp expand) for rank
     # tiles up to 64, 256-column expand tiles, 4 stages, Y updated by atomic adds; gate_up at rank
-    # tile 16 with short segments on the row-loop expand (128-column tiles); at rank tile 16 a
-    # shrink budget of 2 programs per SM with up to 8 stages
+    # tile 16 with short segments on the row-loop expand (128-column tiles, table entries by
+    # inline assembly, first B tile before the wait); at rank tile 16 a shrink budget of 2
+    # programs per SM (3 for down) with up to 8 stages
     "decode": DECODE,
     # earlier defaults, to compare against: one launch with arrival counters and 4 warps (rank
     # tile 16 only); the split launch as first made the default (2-warp expands, 64-column tiles
