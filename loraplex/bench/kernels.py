@@ -44,13 +44,13 @@ DTYPE = torch.bfloat16
 MAX_ADAPTERS = 64
 # `run_layers`: layers captured in one graph, to time a layer without the graph's fixed cost
 LAYERS_PER_GRAPH = 4
-# the decode default of the evening of 2026-11-29, before atomic Y updates, the rank-16 shrink
-# budget and per-step segment tables: the base of the earlier defaults below
 # the decode default of the night of 2026-11-29, before the row loop's early B tile and table
 # entries by inline assembly and down's own shrink budget
 NIGHT_DECODE = with_overrides(
     DECODE, row_loop_early_b=False, row_loop_table_asm=False, long_k_min=0, long_k_per_sm=0
 )
+# the decode default of the evening of 2026-11-29, before atomic Y updates, the rank-16 shrink
+# budget and per-step segment tables: the base of the earlier defaults below
 EVENING_DECODE = with_overrides(
     NIGHT_DECODE, atomic_y=False, narrow_per_sm=0, narrow_shrink_stages=0, seg_tables=False
 )
@@ -158,7 +158,8 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     "decode no early-b": with_overrides(DECODE, row_loop_early_b=False),
     "decode no long-k": with_overrides(DECODE, long_k_min=0, long_k_per_sm=0),
     "decode no table-asm": with_overrides(DECODE, row_loop_table_asm=False),
-    # the row loop with its B tiles 4 or 5 ahead (tables by inline assembly: 5 or 6 stages)
+    # the row loop with its B tiles 4 ahead instead of 3 (5 stages; "decode row-loop stages=6"
+    # above: 5 ahead)
     "decode row-loop stages=5": with_overrides(DECODE, row_loop_stages=5),
     "prefill": PREFILL,
 }
