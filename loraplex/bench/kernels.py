@@ -116,9 +116,10 @@ TILING_VARIANTS: dict[str, LoRATiling] = {
     # ... at any rank tile with 128-column tiles at rank tile 64 (32 KB of B per pipeline stage)
     "decode row-loop any rank te8192": with_overrides(DECODE, row_loop_max_rank=64, row_loop_tile_elems=8192),
     "decode row-loop long segments": with_overrides(DECODE, row_loop_max_avg_rows=64.0),
-    # the row loop's B tiles deeper in flight: the compiler's pipeline with more stages (its chain
-    # of table loads leaves 2 tiles in flight at 6 stages, 3 at 8). (B tiles prefetched in
-    # registers, 1-4 deep, were slower still and were removed: docs/kernels.md.)
+    # the row loop's pipeline with more stages: with the default's inline-assembly table loads,
+    # num_stages - 1 B tiles in flight (measured when the table loads were pipelined, which
+    # drained B every step, and lost). (B tiles prefetched in registers, 1-4 deep, were slower
+    # still and were removed: docs/kernels.md.)
     "decode row-loop stages=6": with_overrides(DECODE, row_loop_stages=6),
     "decode row-loop stages=8": with_overrides(DECODE, row_loop_stages=8),
     # ... with the registers capped so that all of gate_up's row-loop programs stay resident at
