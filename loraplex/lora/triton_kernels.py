@@ -646,7 +646,7 @@ def lora_expand_rows_kernel(
 
 
 @triton.jit
-def _ld_opaque(ptr, ASM: tl.constexpr, BITS: tl.constexpr):
+def _ld_opaque(ptr, ASM: tl.constexpr):
     """A scalar load; ASM: as inline assembly, which the loop pipeliner does not take for a load.
     It would stage a pipelined table entry through shared memory and wait for all copies in
     flight before the address that depends on it, draining the B tiles already in flight; an
@@ -655,17 +655,14 @@ def _ld_opaque(ptr, ASM: tl.constexpr, BITS: tl.constexpr):
     prologue and last stages cover, so its address must be valid there too (callers clamp the
     segment index)."""
     if ASM:
-        if BITS == 64:
+        # 64-bit entries (offsets, slots) in a 64-bit register, 32-bit ones (rank, scale) in a 32-bit one
+        if ptr.dtype.element_ty.primitive_bitwidth == 64:
             return tl.inline_asm_elementwise(
-                "ld.global.nc.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=True, pack=1
-            )
-        elif ptr.dtype.element_ty == tl.float32:
-            return tl.inline_asm_elementwise(
-                "ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.float32, is_pure=True, pack=1
+                "ld.global.nc.b64 $0, [$1];", "=l,l", [ptr], dtype=ptr.dtype.element_ty, is_pure=True, pack=1
             )
         else:
             return tl.inline_asm_elementwise(
-                "ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1
+                "ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=ptr.dtype.element_ty, is_pure=True, pack=1
             )
     else:
         return tl.load(ptr)
@@ -681,18 +678,18 @@ def _rows_segment_b(
     tile is all masked off, and reads nothing, when live is false). TABLE_ASM: the table entries
     by `_ld_opaque`."""
     if TABLE_ASM:
-        slot = seg if SEG_TABLES else _ld_opaque(seg_slots_ptr + seg, True, 64)
+        slot = seg if SEG_TABLES else _ld_opaque(seg_slots_ptr + seg, True)
         # the values are multiples already; written as such, since the compiler's alignment
         # analysis takes no hint on an inline-assembly result
-        off = _ld_opaque(b_tab + i * n_slots + slot, True, 64) // W_ALIGN * W_ALIGN
-        rank = _ld_opaque(rank_tab + i * n_slots + slot, True, 32)
+        off = _ld_opaque(b_tab + i * n_slots + slot, True) // W_ALIGN * W_ALIGN
+        rank = _ld_opaque(rank_tab + i * n_slots + slot, True)
         if RANK_ALIGNED:
             rank = rank // 8 * 8
         b_ptr = w_base + off
     else:
         slot = _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES)
         b_ptr, rank = _slice_entry(w_base, b_tab, rank_tab, n_slots, slot, i, RANK_ALIGNED, W_ALIGN)
-    scale = _ld_opaque(scale_tab + i * n_slots + slot, TABLE_ASM, 32)
+    scale = _ld_opaque(scale_tab + i * n_slots + slot, TABLE_ASM)
     r_mask = offs_r < tl.where(live, rank, 0)
     bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
                  other=0.0)  # fmt: skip

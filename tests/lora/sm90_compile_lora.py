@@ -108,6 +108,14 @@ def check_vector_loads(name: str, ptx: str) -> None:
         raise SystemExit(f"{name}: weight or activation loads are not 16-byte vectors")
 
 
+def check_b_tiles_in_flight(name: str, ptx: str) -> None:
+    """With its table entries read by inline assembly, the row-loop expand's pipelined loop must
+    leave B copies in flight when it waits (`cp.async.wait_group N`, N > 0); waits for 0 only
+    mean each step drains the copies issued ahead, one B tile at a time."""
+    if not any(int(n) > 0 for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)):
+        raise SystemExit(f"{name}: the row loop waits for every copy in flight; no B tile stays ahead")
+
+
 def main() -> None:
     dump = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     for name, (fn, consts, warps, stages) in kernels().items():
@@ -117,6 +125,8 @@ def main() -> None:
             (dump / f"{name}.ptx").write_text(ptx)
         if name.startswith(("shrink_pdl", "expand_pdl", "expand_rows_pdl")):
             check_vector_loads(name, ptx)
+        if name.startswith("expand_rows_pdl") and name.endswith("_table_asm"):
+            check_b_tiles_in_flight(name, ptx)
     print("compiled")
 
 
