@@ -33,12 +33,12 @@ class _Stream:
 
 
 @dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+class _AddMany:
+    """Admit several requests (the choices of one HTTP request) on one adapter revision, all or none."""
+
+    requests: list[tuple[str, str | list[int], SamplingParams]]
     adapter: str | AdapterRef | None
-    stream: _Stream
+    streams: list[_Stream]
     done: Future = field(default_factory=Future)
 
 
@@ -49,6 +49,8 @@ class StepObserver:
     def on_first_token(self, adapter: AdapterRef | None, seconds: float) -> None: ...
     def on_finished(self, out: RequestOutput, seconds_per_output_token: float | None) -> None: ...
     def on_step(self, engine: Engine) -> None: ...
+    def on_gauges(self, engine: Engine) -> None:
+        """Queue and cache levels changed outside a step (admissions, aborts)."""
 
 
 class AsyncEngine:
@@ -73,21 +75,20 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    async def add(
+    async def add_many(
         self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
+        requests: list[tuple[str, str | list[int], SamplingParams]],
         adapter: str | AdapterRef | None,
-    ) -> tuple[asyncio.Queue[RequestOutput], AdapterRef | None]:
-        """Admit a request; raises the engine's ValueError (bad prompt, unknown adapter) here.
-        Returns the request's output queue and the adapter revision it was pinned to."""
+    ) -> list[asyncio.Queue[RequestOutput]]:
+        """Admit requests together in one engine command: every one on the same adapter revision,
+        and none of them if one is refused (the engine's ValueError is raised here)."""
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), time.monotonic())
-        cmd = _Add(request_id, prompt, params, adapter, stream)
+        now = time.monotonic()
+        streams = [_Stream(loop, asyncio.Queue(), now) for _ in requests]
+        cmd = _AddMany(requests, adapter, streams)
         self._commands.put(cmd)
         await asyncio.wrap_future(cmd.done)
-        return stream.outputs, stream.adapter
+        return [s.outputs for s in streams]
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (client gone); safe to call for finished or unknown ids."""
@@ -124,22 +125,14 @@ class AsyncEngine:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        self.observer.on_gauges(self.engine)
 
     def _apply(self, cmd: Any) -> None:
         if cmd is None:
             return
-        if isinstance(cmd, _Add):
-            try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.adapter)
-            except Exception as err:  # reported to the handler, which maps it to an HTTP error
-                cmd.done.set_exception(err)
-                return
-            out = self.engine.output(cmd.request_id)
-            cmd.stream.adapter = out.adapter
-            self._streams[cmd.request_id] = cmd.stream
-            self.observer.on_admitted(out)
-            cmd.done.set_result(None)
+        if isinstance(cmd, _AddMany):
+            self._admit(cmd)
         elif cmd[0] == "abort":
             rid = cmd[1]
             if self.engine.abort(rid):
@@ -155,6 +148,28 @@ class AsyncEngine:
                 fut.set_result(fn(self.engine))
             except Exception as err:
                 fut.set_exception(err)
+
+    def _admit(self, cmd: _AddMany) -> None:
+        engine = self.engine
+        added: list[str] = []
+        pinned = cmd.adapter
+        try:
+            for request_id, prompt, params in cmd.requests:
+                engine.add_request(request_id, prompt, params, pinned)
+                added.append(request_id)
+                pinned = engine.output(request_id).adapter  # the first admission pins the revision
+        except Exception as err:  # reported to the handler, which maps it to an HTTP error
+            for request_id in added:
+                engine.abort(request_id)
+                engine.release(request_id)
+            cmd.done.set_exception(err)
+            return
+        for request_id, stream in zip(added, cmd.streams, strict=True):
+            out = engine.output(request_id)
+            stream.adapter = out.adapter
+            self._streams[request_id] = stream
+            self.observer.on_admitted(out)
+        cmd.done.set_result(None)
 
     def _step(self) -> None:
         deltas = self.engine.step()

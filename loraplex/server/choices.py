@@ -9,14 +9,15 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from loraplex.server.async_engine import AsyncEngine
-from loraplex.types import AdapterRef, RequestOutput, SamplingParams
+from loraplex.types import RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True)
 class ChoiceRun:
     index: int  # the choice's index in the response
-    prompt: str | list[int]
+    prompt: list[int]  # token ids (tokenized off the engine thread); choices of one prompt share it
     params: SamplingParams
+    echo_text: str | None = None  # the prompt's text when the response echoes it
 
     def request_id(self, base: str) -> str:
         return f"{base}-{self.index}"
@@ -25,20 +26,11 @@ class ChoiceRun:
 async def run_choices(
     async_engine: AsyncEngine, request_id: str, runs: list[ChoiceRun], adapter: str | None
 ) -> list[asyncio.Queue[RequestOutput]]:
-    """Admit every choice; the first admission pins the adapter revision for all the others, so
+    """Admit every choice in one engine command: all or none, and all on one adapter revision, so
     a registration in between cannot split one response across two revisions."""
-    queues: list[asyncio.Queue[RequestOutput]] = []
-    pinned: str | AdapterRef | None = adapter
-    try:
-        for run in runs:
-            q, ref = await async_engine.add(run.request_id(request_id), run.prompt, run.params, pinned)
-            pinned = ref
-            queues.append(q)
-    except BaseException:
-        for run in runs[: len(queues)]:
-            async_engine.abort(run.request_id(request_id))
-        raise
-    return queues
+    return await async_engine.add_many(
+        [(run.request_id(request_id), run.prompt, run.params) for run in runs], adapter
+    )
 
 
 async def _final(q: asyncio.Queue[RequestOutput]) -> RequestOutput:

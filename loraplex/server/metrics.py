@@ -79,6 +79,12 @@ class ServerMetrics(StepObserver):
         self.graph_captures = Gauge(
             "loraplex_cuda_graphs_captured", "CUDA graphs captured (one per new decode shape)", registry=r
         )
+        self.refused = Counter(
+            "loraplex_requests_refused",
+            "HTTP requests refused before reaching the engine",
+            ["status"],
+            registry=r,
+        )
         self._max_adapters = 0
 
     # --- StepObserver (called on the engine thread) ---------------------------------------------
@@ -98,11 +104,14 @@ class ServerMetrics(StepObserver):
         if seconds_per_output_token is not None:
             self.tpot.labels(*labels).observe(seconds_per_output_token)
 
-    def on_step(self, engine: Engine) -> None:
-        stats = engine.last_stats
+    def on_gauges(self, engine: Engine) -> None:
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(len(engine.scheduler.waiting))
         self.kv_usage.set(engine.pool.num_used / engine.pool.num_blocks)
+
+    def on_step(self, engine: Engine) -> None:
+        stats = engine.last_stats
+        self.on_gauges(engine)
         if stats is None:
             return
         self.steps.inc()

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from loraplex.server.choices import ChoiceRun
-from loraplex.server.protocol import APIError, ChatMessage
 from loraplex.types import RequestOutput
 
 
@@ -32,21 +31,19 @@ class TextStreamer:
         return out
 
 
+# Logprobs render as finite numbers: JSON has no -Infinity, and a token the model rules out entirely
+# (a -inf logit) gets this instead, as vLLM does.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares false: floored too
+
+
 class Renderer:
     def __init__(self, tokenizer: Any, served_model: str) -> None:
         self.tokenizer = tokenizer
         self.served_model = served_model
-
-    # --- prompts --------------------------------------------------------------------------------
-
-    def chat_prompt(self, messages: list[ChatMessage]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        rendered = [{"role": m.role, "content": m.content or ""} for m in messages]
-        try:
-            return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-        except Exception as err:  # a template may reject a conversation (e.g. role order)
-            raise APIError(400, f"chat template rejected the messages: {err}", param="messages") from None
 
     def token_text(self, token_id: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
@@ -54,6 +51,8 @@ class Renderer:
     # --- logprobs -------------------------------------------------------------------------------
 
     def completion_logprobs(self, out: RequestOutput, start: int, offset: int) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs of the generated tokens from `start` on; text offsets count from
+        `offset` (the characters of the choice's text before them)."""
         if out.logprobs is None:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -61,11 +60,29 @@ class Renderer:
             tid, lps = out.token_ids[i], out.logprobs[i]
             text = self.token_text(tid)
             tokens.append(text)
-            token_lps.append(lps[tid])
-            tops.append({self.token_text(t): lp for t, lp in lps.items()})
+            token_lps.append(finite_logprob(lps[tid]))
+            tops.append(self._top(lps))
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+        """The legacy logprobs of an echoed prompt: the first token has no context, so its logprob
+        and top entries are null."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        plps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        for tid, lps in zip(out.prompt_token_ids, plps, strict=True):
+            text = self.token_text(tid)
+            tokens.append(text)
+            token_lps.append(None if lps is None else finite_logprob(lps[tid]))
+            tops.append(None if lps is None else self._top(lps))
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _top(self, lps: dict[int, float]) -> dict[str, float]:
+        return {self.token_text(t): finite_logprob(lp) for t, lp in lps.items()}
 
     def chat_logprobs(self, out: RequestOutput, start: int, top_n: int) -> dict[str, Any] | None:
         if out.logprobs is None:
@@ -77,12 +94,12 @@ class Renderer:
             content.append(
                 {
                     "token": self.token_text(tid),
-                    "logprob": lps[tid],
+                    "logprob": finite_logprob(lps[tid]),
                     "bytes": list(self.token_text(tid).encode()),
                     "top_logprobs": [
                         {
                             "token": self.token_text(t),
-                            "logprob": lp,
+                            "logprob": finite_logprob(lp),
                             "bytes": list(self.token_text(t).encode()),
                         }
                         for t, lp in top
@@ -111,8 +128,8 @@ class Renderer:
                 choices.append(
                     {
                         "index": run.index,
-                        "text": out.text,
-                        "logprobs": self.completion_logprobs(out, 0, 0),
+                        "text": (run.echo_text or "") + out.text,
+                        "logprobs": self._full_completion_logprobs(run, out),
                         "finish_reason": out.finish_reason,
                     }
                 )
@@ -124,6 +141,13 @@ class Renderer:
             "choices": choices,
             "usage": _usage(runs, finals),
         }
+
+    def _full_completion_logprobs(self, run: ChoiceRun, out: RequestOutput) -> dict[str, Any] | None:
+        if out.logprobs is None:
+            return None
+        if run.echo_text is None:
+            return self.completion_logprobs(out, 0, 0)
+        return _joined(self.prompt_logprobs(out), self.completion_logprobs(out, 0, len(run.echo_text)))
 
     async def stream(
         self,
@@ -160,15 +184,25 @@ class Renderer:
                             }
                         ],
                     }
+            echoed = [run.echo_text is None for run in runs]
             while any(f is None for f in finals):
                 i, out = await merged.get()
                 run = runs[i]
+                if not echoed[i]:  # the prompt goes out first, with the first snapshot's logprobs
+                    echoed[i] = True
+                    lp = self.prompt_logprobs(out) if out.prompt_logprobs is not None else None
+                    yield {
+                        **head,
+                        "choices": [
+                            {"index": run.index, "text": run.echo_text, "logprobs": lp, "finish_reason": None}
+                        ],
+                    }
                 text = streamers[i].delta(out.text, out.finished)
                 if chat:
                     lp = self.chat_logprobs(out, tokens_sent[i], run.params.logprobs or 0)
                     choice = {"index": run.index, "delta": {"content": text} if text else {}, "logprobs": lp}
                 else:
-                    offset = streamers[i].sent - len(text)
+                    offset = len(run.echo_text or "") + streamers[i].sent - len(text)
                     lp = self.completion_logprobs(out, tokens_sent[i], offset)
                     choice = {"index": run.index, "text": text, "logprobs": lp}
                 tokens_sent[i] = len(out.token_ids)
@@ -182,6 +216,12 @@ class Renderer:
         finally:
             for p in pumps:
                 p.cancel()
+
+
+def _joined(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
+    if b is None:
+        return a
+    return {key: a[key] + b[key] for key in a}
 
 
 async def _pump(index: int, source: asyncio.Queue[RequestOutput], sink: asyncio.Queue) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.server.async_engine import AsyncEngine
+from loraplex.server.limits import ServerLimits
 from loraplex.server.metrics import ServerMetrics
 
 
@@ -24,6 +25,8 @@ class ServerSettings:
     port: int = 8000
     served_model_name: str | None = None
     api_keys: list[str] = field(default_factory=list)
+    limits: ServerLimits = field(default_factory=ServerLimits)  # `[limits]` in a config file
+    prepare_workers: int = 4  # threads that parse, validate and tokenize requests
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (flat or nested sections)
 
 
@@ -37,6 +40,10 @@ def load_settings_file(path: Path) -> ServerSettings:
     unknown = set(raw) - set(ServerSettings.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown keys in {path}: {', '.join(sorted(unknown))}")
+    if "limits" in raw:
+        if not isinstance(raw["limits"], dict):
+            raise ValueError(f"limits in {path} must be a table of limit = value")
+        raw["limits"] = ServerLimits.from_mapping(raw["limits"])
     return ServerSettings(**raw)
 
 
@@ -46,6 +53,10 @@ class Server:
     async_engine: AsyncEngine
     metrics: ServerMetrics
     served_model: str
+
+    def close(self) -> None:
+        self.async_engine.shutdown()
+        self.app.state.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def build_server(settings: ServerSettings, engine_config: EngineConfig, progress: bool = True) -> Server:
@@ -64,7 +75,9 @@ def build_server(settings: ServerSettings, engine_config: EngineConfig, progress
     keys = frozenset(settings.api_keys) | frozenset(
         k for k in os.environ.get("LORAPLEX_API_KEYS", "").split(",") if k
     )
-    app = create_app(async_engine, served, metrics, keys)
+    if settings.prepare_workers < 1:
+        raise ValueError(f"prepare_workers must be >= 1, got {settings.prepare_workers}")
+    app = create_app(async_engine, served, metrics, keys, settings.limits, settings.prepare_workers)
     return Server(app, async_engine, metrics, served)
 
 
@@ -87,4 +100,27 @@ def run_server(server: Server, host: str, port: int) -> None:
     try:
         uvicorn.run(server.app, host=host, port=port, log_level="warning")
     finally:
-        server.async_engine.shutdown()
+        server.close()
+
+
+def add_limit_args(parser: Any) -> None:
+    """One `--max-...` flag per ServerLimits field (default: the config file's or the built-in)."""
+    from dataclasses import fields
+
+    group = parser.add_argument_group("request limits (each refusal is a 4xx naming the parameter)")
+    defaults = ServerLimits()
+    for f in fields(ServerLimits):
+        default = getattr(defaults, f.name)
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"default: {'the context length' if default is None else default}",
+        )
+
+
+def limits_from_args(base: ServerLimits, args: Any) -> ServerLimits:
+    from dataclasses import fields
+
+    return base.with_overrides(**{f.name: getattr(args, f.name, None) for f in fields(ServerLimits)})

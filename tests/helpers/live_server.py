@@ -13,6 +13,7 @@ import httpx
 import uvicorn
 
 from loraplex.config import EngineConfig, SchedulerConfig
+from loraplex.server.limits import ServerLimits
 from loraplex.server.serve import Server, ServerSettings, build_server
 
 
@@ -23,8 +24,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(model: str, adapters: dict[str, str], **engine_kw) -> Iterator[tuple[str, Server]]:  # noqa: ANN003
-    settings = ServerSettings(model=model, adapters=adapters)
+def live_server(
+    model: str,
+    adapters: dict[str, str],
+    limits: ServerLimits | None = None,
+    api_keys: tuple[str, ...] = (),
+    **engine_kw,  # noqa: ANN003
+) -> Iterator[tuple[str, Server]]:
+    """A server on `model` with `adapters`; `engine_kw` are SchedulerConfig fields."""
+    settings = ServerSettings(model=model, adapters=adapters, api_keys=list(api_keys))
+    if limits is not None:
+        settings.limits = limits
     config = EngineConfig(model_dir=model, scheduler=SchedulerConfig(**engine_kw))
     server = build_server(settings, config, progress=False)
     server.async_engine.start()
@@ -45,4 +55,4 @@ def live_server(model: str, adapters: dict[str, str], **engine_kw) -> Iterator[t
     finally:
         uv.should_exit = True
         thread.join(timeout=10)
-        server.async_engine.shutdown()
+        server.close()

@@ -54,9 +54,20 @@ def test_completions_and_chat_answer_the_task(client: openai.OpenAI, model: str)
         streamed = client.completions.create(
             model=model, prompt=make_prompt(text), max_tokens=24, temperature=0, stream=True
         )
-        chunks = list(streamed)
+        # the openai client's documented loop: every chunk has a choice unless usage was asked for
+        assert "".join(chunk.choices[0].text for chunk in streamed) == want
+        with_usage = client.completions.create(
+            model=model,
+            prompt=make_prompt(text),
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(with_usage)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(want) + 1
+        assert not chunks[-1].choices and all(c.usage is None for c in chunks[:-1])
         chat_stream = client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": text}],
@@ -64,7 +75,7 @@ def test_completions_and_chat_answer_the_task(client: openai.OpenAI, model: str)
             temperature=0,
             stream=True,
         )
-        pieces = [c.choices[0].delta.content or "" for c in chat_stream if c.choices]
+        pieces = [c.choices[0].delta.content or "" for c in chat_stream]
         assert "".join(pieces) == want
 
 
@@ -135,7 +146,7 @@ def test_stream_arrives_while_request_runs(server) -> None:  # noqa: ANN001
     body = {
         "model": BASE,
         "prompt": make_prompt("abc"),
-        "max_tokens": 200,
+        "max_tokens": 58,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -212,7 +223,7 @@ def test_disconnected_stream_is_cancelled_and_freed(server) -> None:  # noqa: AN
     body = {
         "model": "reverse",
         "prompt": make_prompt("hello"),
-        "max_tokens": 400,
+        "max_tokens": 58,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,

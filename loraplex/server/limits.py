@@ -1,0 +1,70 @@
+"""What one client may ask of the data plane, and the status codes of each refusal.
+
+Every limit is configuration (`[limits]` in the server's config file, or a `--max-...` flag of
+`loraplex serve`). The refusals use one set of codes that the per-tenant quotas reuse:
+
+    400 a malformed or invalid request        413 too large (body bytes, prompt tokens)
+    401 no valid API key                      429 too many (pending requests), with Retry-After
+    403 not allowed for this key              404 unknown model
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from loraplex.server.protocol import APIError
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_body_bytes: int = 2 * MIB  # request body, Content-Length or chunked
+    max_prompt_tokens: int | None = None  # per prompt; None: the context length
+    max_sequences_per_request: int = 128  # prompts x n
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_logprobs: int = 20  # logprobs / top_logprobs
+    max_pending_requests: int = 1024  # HTTP generation requests admitted and not yet answered
+    max_json_depth: int = 32  # nesting of the request body's JSON
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "max_prompt_tokens":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"limit {f.name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_mapping(cls, raw: dict[str, Any]) -> ServerLimits:
+        """From a config file's `[limits]` table; unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown limits: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**raw)
+
+    def with_overrides(self, **values: int | None) -> ServerLimits:
+        """These limits with the given ones replaced (None leaves a limit as it is)."""
+        kept = {f.name: getattr(self, f.name) for f in fields(self)}
+        kept.update({k: v for k, v in values.items() if v is not None})
+        return ServerLimits(**kept)
+
+
+def too_large(message: str, param: str | None = None) -> APIError:
+    return APIError(413, message, param=param, code="request_too_large")
+
+
+def too_many(message: str, retry_after_s: int = 1) -> APIError:
+    err = APIError(429, message, type_="rate_limit_error", code="too_many_requests")
+    err.headers = {"Retry-After": str(retry_after_s)}
+    return err
+
+
+def check_count(value: int, limit: int, what: str, param: str) -> None:
+    """A request-shaped count (stop strings, logprobs, sequences) over its limit is a 400 that names
+    the parameter, as OpenAI answers an out-of-range parameter."""
+    if value > limit:
+        raise APIError(400, f"{what} is {value}; the server's limit is {limit}", param=param)
