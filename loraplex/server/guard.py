@@ -3,8 +3,8 @@ body is read or parsed):
 
 1. API keys: with keys configured, every route but `/health` needs one, and a request without a
    valid key gets its 401 before a byte of its body is read.
-2. Pending requests: generation requests admitted and not yet answered are bounded; one more is
-   a 429 with Retry-After, again before its body is read.
+2. Pending requests: generation requests between their head and their answer's end are bounded;
+   one more is a 429 with Retry-After, again before its body is read.
 3. Body size: a declared Content-Length over the limit is a 413 at once; a chunked body is
    counted as it arrives and refused the moment it passes the limit.
 
@@ -72,16 +72,18 @@ class Guard:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        try:
-            body = await self._read_body(scope, receive)
-        except APIError as err:
-            await self._refuse(scope, receive, send, err)
-            return
-        if body is None:
-            return  # the client went away while sending
+        # A generation request counts as pending from its head on: a client trickling its body
+        # in holds a connection as surely as one waiting for tokens.
         if generation:
             self.pending += 1
         try:
+            try:
+                body = await self._read_body(scope, receive)
+            except APIError as err:
+                await self._refuse(scope, receive, send, err)
+                return
+            if body is None:
+                return  # the client went away while sending
             await self.app(scope, _replay(body, receive), send)
         finally:
             if generation:
