@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from loraplex.config_cli import add_engine_args, engine_config_from_args, engine_defaults_from_mapping
+from loraplex.server.limits_cli import add_limit_args, limits_from_args
 
 DEFAULT_TINY_DIR = Path.home() / ".cache" / "loraplex" / "tiny-llama"
 
@@ -79,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted bearer token (repeatable; "
         "also LORAPLEX_API_KEYS=a,b); none configured: any token is accepted",
     )
+    serve.add_argument(
+        "--prepare-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads that parse, validate and tokenize requests (default: 4)",
+    )
+    add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(subparser=serve)  # a config file's engine settings become this parser's defaults
 
@@ -162,20 +172,43 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args = parser.parse_args(args.argv)
     if args.model:
         settings.model, settings.adapters = args.model, {}
-    settings.adapters.update(dict(args.adapter))
+    demo = None
     if settings.model is None:
         from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
 
         settings.model = str(DEMO_MODEL_DIR)
-        settings.adapters = {**{k: str(v) for k, v in DEMO_ADAPTERS.items()}, **settings.adapters}
+        demo = {k: str(v) for k, v in DEMO_ADAPTERS.items()}
+    # Before anything loads: a name collision is a usage error, not a minute of loading and then one.
+    settings.adapters = merge_serve_adapters(demo, settings.adapters, args.adapter)
     settings.host = args.host or settings.host
     settings.port = args.port or settings.port
     settings.served_model_name = args.served_model_name or settings.served_model_name
     settings.api_keys = [*settings.api_keys, *args.api_key]
+    settings.limits = limits_from_args(settings.limits, args)
+    settings.prepare_workers = args.prepare_workers or settings.prepare_workers
     print(f"loading {settings.model} ...", file=sys.stderr)
     server = build_server(settings, engine_config_from_args(settings.model, args))
     run_server(server, settings.host, settings.port)
     return 0
+
+
+def merge_serve_adapters(
+    demo: Mapping[str, str] | None, config: Mapping[str, str], flags: Sequence[tuple[str, str]]
+) -> dict[str, str]:
+    """The adapters `serve` registers, name -> directory: the demo model's (when it is served), the
+    config file's `[adapters]`, then each `--adapter NAME=DIR`. A name given twice raises ValueError
+    naming both sources: one silently replacing the other would serve weights nobody asked for
+    under a name clients already use."""
+    merged: dict[str, str] = {}
+    source: dict[str, str] = {}
+    entries = [(name, path, "the demo's adapter") for name, path in (demo or {}).items()]
+    entries += [(name, path, "the config file's [adapters]") for name, path in config.items()]
+    entries += [(name, path, f"--adapter {name}={path}") for name, path in flags]
+    for name, path, where in entries:
+        if name in merged:
+            raise ValueError(f"adapter name {name!r} is given twice ({source[name]} and {where})")
+        merged[name], source[name] = path, where
+    return merged
 
 
 def _list_adapters(args: argparse.Namespace) -> int:

@@ -26,6 +26,11 @@ class SamplingParams:
     sampled token and the top-N tokens; `prompt_logprobs=N` the same per prompt position (the
     first is None). Logprobs are the raw log-softmax of the model's logits, taken before
     temperature, top-k and top-p.
+
+    `max_tokens=0` scores the prompt without generating: the prompt is prefilled (computing
+    `prompt_logprobs` when asked), then the request finishes with reason "length" and no tokens,
+    and nothing is sampled for it. Such a prompt may fill the whole context length; with
+    `max_tokens >= 1` it must leave room for at least one generated token.
     """
 
     max_tokens: int = 16
@@ -47,8 +52,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.max_tokens is None or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is None or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

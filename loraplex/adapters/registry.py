@@ -91,15 +91,26 @@ class AdapterRegistry:
     # --- lookup ---------------------------------------------------------------------------------
 
     def resolve(self, spec: str | AdapterRef) -> RegisteredRevision:
-        """`name` (its latest revision) or `name@revision` (a full or unique prefix) -> revision."""
+        """`name` (its latest revision) or `name@revision` (a full or unique prefix) -> revision;
+        `name@` (an empty revision) is refused."""
         if isinstance(spec, AdapterRef):
-            name, rev = spec.name, spec.revision
+            name, pinned, rev = spec.name, True, spec.revision
         else:
             if not isinstance(spec, str) or not spec:
                 raise UnknownAdapterError(f"adapter must be a name or name@revision, got {spec!r}")
-            name, _, rev = spec.partition("@")
-            if not _NAME.fullmatch(name) or (rev and not _REVISION.fullmatch(rev)):
-                raise UnknownAdapterError(f"{spec!r} is not an adapter name or name@revision")
+            name, at, rev = spec.partition("@")
+            pinned = bool(at)
+        if pinned and not rev:
+            # A pin with nothing after the '@' (an unfilled template, a cut-off id) asked for one
+            # revision: serving the latest instead would hide the mistake.
+            raise UnknownAdapterError(
+                f"{str(spec)!r}: the revision after '@' is empty (give name@revision, or the name alone "
+                "for its latest revision)"
+            )
+        if not isinstance(spec, AdapterRef) and (
+            not _NAME.fullmatch(name) or (rev and not _REVISION.fullmatch(rev))
+        ):
+            raise UnknownAdapterError(f"{spec!r} is not an adapter name or name@revision")
         revisions = self._revisions.get(name)
         if not revisions:
             raise UnknownAdapterError(f"unknown adapter {name!r}")

@@ -24,6 +24,7 @@ from loraplex.engine.scheduler import Scheduler, StepPlan
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.stats import StepStats
 from loraplex.engine.stop import StopChecker
+from loraplex.host_to_device import to_device
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.lora.backend import make_lora_backend
@@ -92,6 +93,8 @@ class Engine:
         self.stop = StopChecker(self.tokenizer, self._eos_ids())
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        # Live requests with max_tokens=0: while there are none, a step does no per-row check for them.
+        self._num_scoring = 0
         self.last_stats: StepStats | None = None
         self._steps = 0
         # The model and tables are built: collect once and move everything alive now out of the
@@ -114,14 +117,16 @@ class Engine:
         """Validate, resolve the adapter to an immutable revision, and queue the request.
 
         Raises ValueError (nothing is queued or held) for a duplicate id, an empty or too long
-        prompt, out-of-vocabulary token ids, or an unknown adapter.
+        prompt, out-of-vocabulary token ids, or an unknown adapter. A prompt may fill the context
+        length only when `params.max_tokens` is 0 (scoring: nothing is generated after it).
         """
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self._tokenize(prompt)
         limit = self.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the context length is {limit}")
+        if len(token_ids) > limit or (params.max_tokens and len(token_ids) == limit):
+            room = " and leaves no room for a generated token" if len(token_ids) == limit else ""
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the context length is {limit}{room}")
         worst_case = min(len(token_ids) + params.max_tokens, limit)
         if self.scheduler.blocks_for(worst_case) > self.pool.num_blocks:
             raise ValueError(
@@ -137,6 +142,8 @@ class Engine:
             seq.prompt_logprobs = [None]
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+        if not params.max_tokens:
+            self._num_scoring += 1
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now, freeing its KV blocks and its hold on the adapter revision."""
@@ -202,10 +209,15 @@ class Engine:
         if not result.sample_chunks:
             return []
         seqs = [chunks[i].seq for i in result.sample_chunks]
-        sampled = self.sampler(result.sample_logits, [s.params for s in seqs], [s.generator for s in seqs])
-        # Per row: the token, its logprobs, the stop checks, the delta; nothing else.
+        logits = result.sample_logits
         deltas: list[RequestDelta] = []
         add = deltas.append
+        if self._num_scoring:
+            seqs, logits = self._finish_scoring(seqs, logits, deltas)
+            if not seqs:
+                return deltas
+        sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        # Per row: the token, its logprobs, the stop checks, the delta; nothing else.
         check = self.stop.check
         max_len = self.max_model_len
         finished = SequenceStatus.FINISHED
@@ -220,6 +232,25 @@ class Engine:
             add(RequestDelta(seq.request_id, [token], seq.status is finished, seq.finish_reason))
         return deltas
 
+    def _finish_scoring(
+        self, seqs: list[Sequence], logits: torch.Tensor, deltas: list[RequestDelta]
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """Finish the max_tokens=0 requests among `seqs` (their prompts are now computed) and return
+        the others with their logits rows. The finished rows never reach the sampler: a row there
+        would take its share of the shared generator's draw and shift every other row's noise."""
+        keep = [i for i, s in enumerate(seqs) if s.params.max_tokens]
+        if len(keep) == len(seqs):
+            return seqs, logits
+        for seq in seqs:
+            if not seq.params.max_tokens:
+                seq.finish_reason = "length"
+                self._finish(seq)
+                deltas.append(RequestDelta(seq.request_id, [], True, "length"))
+        if not keep:
+            return [], logits[:0]
+        rows = to_device(keep, torch.int64, logits.device)
+        return [seqs[i] for i in keep], logits.index_select(0, rows)
+
     def _record_prompt_logprobs(self, plan: StepPlan, result: ForwardResult) -> None:
         if not result.prompt_rows:
             return
@@ -233,6 +264,8 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.adapters.release(seq.adapter)
+        if not seq.params.max_tokens:
+            self._num_scoring -= 1
 
     def check_integrity(self) -> None:
         """Assert the bookkeeping invariants: the KV pool's free/used partition, each live
@@ -244,6 +277,7 @@ class Engine:
         assert len(owned) == len(set(owned)) == self.pool.num_used, "KV blocks leaked or shared"
         for seq in live:
             assert len(seq.block_ids) == self.scheduler.blocks_for(seq.num_computed), seq.request_id
+        assert self._num_scoring == sum(not s.params.max_tokens for s in live), "scoring request count"
         holds: dict[AdapterRef, int] = {}
         for seq in live:
             if seq.adapter is not None:

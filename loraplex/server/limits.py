@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from loraplex.server.protocol import APIError
+from loraplex.server.errors import APIError
 
 MIB = 1024 * 1024
 

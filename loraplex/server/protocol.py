@@ -13,31 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex.server.errors import APIError
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "ErrorResponse"]
+
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-class APIError(Exception):
-    """An error with its HTTP status, rendered as OpenAI's error JSON."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class ErrorDetail(BaseModel):

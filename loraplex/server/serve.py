@@ -101,26 +101,3 @@ def run_server(server: Server, host: str, port: int) -> None:
         uvicorn.run(server.app, host=host, port=port, log_level="warning")
     finally:
         server.close()
-
-
-def add_limit_args(parser: Any) -> None:
-    """One `--max-...` flag per ServerLimits field (default: the config file's or the built-in)."""
-    from dataclasses import fields
-
-    group = parser.add_argument_group("request limits (each refusal is a 4xx naming the parameter)")
-    defaults = ServerLimits()
-    for f in fields(ServerLimits):
-        default = getattr(defaults, f.name)
-        group.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=int,
-            default=None,
-            metavar="N",
-            help=f"default: {'the context length' if default is None else default}",
-        )
-
-
-def limits_from_args(base: ServerLimits, args: Any) -> ServerLimits:
-    from dataclasses import fields
-
-    return base.with_overrides(**{f.name: getattr(args, f.name, None) for f in fields(ServerLimits)})

@@ -13,6 +13,7 @@ from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 from safetensors.torch import load_file, save_file
 
 from loraplex import LLM, AdapterRef, SamplingParams
+from loraplex.adapters.registry import UnknownAdapterError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
 
@@ -200,6 +201,22 @@ def test_bad_requests_queue_nothing(env: dict) -> None:
     assert not engine.has_unfinished()
     assert engine.adapters.holds(engine.adapters.latest("good")) == 0
     assert llm.generate([PROMPT], GREEDY, adapters=["good"])[0].finished
+
+
+def test_empty_revision_is_refused(env: dict) -> None:
+    llm = LLM(env["model_dir"])
+    ref = llm.register_adapter("good", env["good"])
+    engine = llm.engine
+    for spec in ("good@", AdapterRef("good", "")):
+        with pytest.raises(UnknownAdapterError, match="the revision after '@' is empty"):
+            engine.adapters.resolve(spec)
+    with pytest.raises(ValueError, match="the revision after '@' is empty"):
+        llm.generate([PROMPT], GREEDY, adapters=["good@"])
+    assert not engine.has_unfinished()
+    assert engine.adapters.holds(ref) == 0
+    engine.check_integrity()
+    assert engine.adapters.resolve("good").ref == ref
+    assert engine.adapters.resolve(f"good@{ref.revision[:8]}").ref == ref
 
 
 def test_two_revisions_of_one_name_in_one_batch(env: dict) -> None:

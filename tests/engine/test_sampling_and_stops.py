@@ -89,7 +89,8 @@ def test_text_and_token_prompts(llm: LLM) -> None:
 
 def test_invalid_sampling_params() -> None:
     for kw in (
-        {"max_tokens": 0},
+        {"max_tokens": -1},
+        {"max_tokens": None},
         {"temperature": -1},
         {"top_p": 0},
         {"top_p": 1.5},

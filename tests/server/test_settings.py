@@ -41,3 +41,22 @@ def test_bad_settings_files_name_the_problem(tmp_path: Path) -> None:
     parser = build_parser()
     with pytest.raises(ValueError, match="max_num_seq"):
         engine_defaults_from_mapping(parser.parse_args(["serve"]).subparser, {"max_num_seq": 3})
+
+
+def test_limits_from_config_file_and_flags(tmp_path: Path) -> None:
+    from loraplex.server.limits import ServerLimits
+    from loraplex.server.limits_cli import limits_from_args
+
+    path = tmp_path / "server.toml"
+    path.write_text("[limits]\nmax_body_bytes = 4096\nmax_pending_requests = 7\n")
+    settings = load_settings_file(path)
+    assert settings.limits == ServerLimits(max_body_bytes=4096, max_pending_requests=7)
+    args = build_parser().parse_args(["serve", "--max-pending-requests", "9", "--max-stop-strings", "4"])
+    limits = limits_from_args(settings.limits, args)
+    assert (limits.max_body_bytes, limits.max_pending_requests, limits.max_stop_strings) == (4096, 9, 4)
+    path.write_text("[limits]\nmax_body_byte = 4096\n")
+    with pytest.raises(ValueError, match="max_body_byte"):
+        load_settings_file(path)
+    path.write_text("[limits]\nmax_body_bytes = 0\n")
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        load_settings_file(path)
