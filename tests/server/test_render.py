@@ -36,3 +36,26 @@ def test_incomplete_multibyte_character_is_held() -> None:
     streamer = TextStreamer(())
     assert streamer.delta("caf\ufffd", False) == "caf"
     assert streamer.delta("café", True) == "é"
+
+
+def test_logprobs_render_finite() -> None:
+    import json
+    import math
+
+    from loraplex.server.render import LOGPROB_FLOOR, Renderer
+    from loraplex.types import RequestOutput
+
+    out = RequestOutput(
+        request_id="r",
+        prompt_token_ids=[5, 6],
+        adapter=None,
+        token_ids=[7],
+        logprobs=[{7: -math.inf, 8: -0.5, 9: math.nan}],
+        prompt_logprobs=[None, {6: -math.inf}],
+    )
+    renderer = Renderer(None, "m")
+    body = {"gen": renderer.completion_logprobs(out, 0, 0), "prompt": renderer.prompt_logprobs(out)}
+    text = json.dumps(body, allow_nan=False)  # raises on any NaN or Infinity
+    assert body["gen"]["token_logprobs"] == [LOGPROB_FLOOR]
+    assert body["prompt"]["token_logprobs"] == [None, LOGPROB_FLOOR]
+    assert "NaN" not in text and "Infinity" not in text and LOGPROB_FLOOR == -9999.0
