@@ -137,6 +137,9 @@ def test_request_shaped_limits_name_their_parameter(server) -> None:  # noqa: AN
     # at the limits: accepted
     ok = httpx.post(url, json={**GOOD, "prompt": ["a="] * 64, "n": 2, "max_tokens": 2, "stop": ["x"] * 16})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 128
+    assert httpx.post(url, json={**GOOD, "stop": "x" * 256, "logprobs": 20}).status_code == 200
+    top = {"model": BASE, "messages": msgs, "max_tokens": 2, "logprobs": True, "top_logprobs": 20}
+    assert httpx.post(chat, json=top).status_code == 200
 
 
 def test_max_tokens_semantics(server) -> None:  # noqa: ANN001
