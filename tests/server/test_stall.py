@@ -277,6 +277,7 @@ def test_big_bodies_do_not_stall_streams(server) -> None:  # noqa: ANN001
     # server that stalls on them nearly every stream of the loaded condition is slowed.
     quiet = statistics.median(itl for rep in repeats if not rep.interfered for itl in rep.itls)
     loaded = statistics.median(itl for rep in repeats if rep.interfered for itl in rep.itls)
+    print(f"stall test: median ITL {loaded * 1e3:.2f} ms loaded, {quiet * 1e3:.2f} ms quiet; {overlapping}")
     assert loaded <= 2 * quiet, (
         f"median inter-token latency {loaded * 1e3:.2f} ms with big bodies arriving vs "
         f"{quiet * 1e3:.2f} ms without. Per repeat: {report}. Big requests overlapping each "
