@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "tests")]  # run from a checkout, installed or not
 
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model  # noqa: E402
 
