@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from loraplex.bench.cli import register as register_bench
     except ImportError:  # benchmarks are optional parts of the tree
-        register_bench = None
-    if register_bench is not None:
+        pass
+    else:
         register_bench(sub)
     return parser
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.config import CacheConfig, EngineConfig, GraphConfig, LoRAConfig, SchedulerConfig
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 # Engine sub-configs exposed as flags: EngineConfig field -> dataclass.
-_SECTIONS: dict[str, type] = {
+_SECTIONS: dict[str, type[DataclassInstance]] = {
     "cache": CacheConfig,
     "lora": LoRAConfig,
     "scheduler": SchedulerConfig,
@@ -47,8 +50,8 @@ def engine_defaults_from_mapping(parser: argparse.ArgumentParser, values: dict[s
     defaults: dict[str, Any] = {}
     known = {"dtype", "device", "seed"}
     flat = dict(values)
-    for section in _SECTIONS:
-        nested = flat.pop(section, None)
+    for name in _SECTIONS:
+        nested = flat.pop(name, None)
         if isinstance(nested, dict):
             flat.update(nested)
     for key, value in flat.items():

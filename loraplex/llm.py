@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from loraplex.config import (
     DEFAULT_LORA_OVERLAP,
@@ -81,16 +82,18 @@ class LLM:
         `name@revision`; a single value applies to every prompt. Every request is validated and
         resolved before any runs, so one bad entry raises ValueError and nothing runs.
         """
+        batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), SamplingParams)
-        adapter_specs = _per_prompt(adapters, len(prompts), (str, AdapterRef, type(None)))
-        request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
+            batch = [cast(Prompt, prompts)]  # one prompt: text or token ids
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
+        params = _per_prompt(sampling_params or SamplingParams(), len(batch), SamplingParams)
+        adapter_specs = _per_prompt(adapters, len(batch), (str, AdapterRef, type(None)))
+        request_ids = [f"gen-{next(self._ids)}" for _ in batch]
         engine = self.engine
         added: list[str] = []
         try:
-            for rid, prompt, p, a in zip(request_ids, prompts, params, adapter_specs, strict=True):
+            for rid, prompt, p, a in zip(request_ids, batch, params, adapter_specs, strict=True):
                 engine.add_request(rid, prompt, p, a)
                 added.append(rid)
         except Exception:

@@ -1,10 +1,12 @@
-"""Adapter names, immutable revisions, slots and request holds (in memory; persistence comes later).
+"""Adapter identity: names, immutable revisions and request holds (in memory; persistence comes
+later). No tensors and no devices here: where a revision's weights are is residency's business
+(`residency.py`), so this module imports no torch.
 
-A revision is the sha256 of the adapter's normalized content. Registering different content
-under a name adds a revision and makes it the name's latest; identical content returns the
-existing revision. Every revision stays addressable as `name@revision`. Requests resolve a name
-to one revision when admitted and hold it until they finish, so a later registration never
-changes a running request's weights.
+A revision is the sha256 of the adapter's normalized content. Adding different content under a
+name adds a revision and makes it the name's latest; identical content returns the existing
+revision. Every revision stays addressable as `name@revision`. Requests resolve a name to one
+revision when admitted and hold it until they finish, so a later registration never changes a
+running request's weights.
 """
 
 from __future__ import annotations
@@ -12,15 +14,8 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
-import torch
-
-from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
-from loraplex.adapters.revision import adapter_revision
-from loraplex.config import ModelConfig
-from loraplex.lora.metadata import BASE_SLOT
-from loraplex.lora.weights import LoRASlotTable
 from loraplex.types import ADAPTER_NAME_PATTERN, AdapterRef
 
 _NAME = re.compile(ADAPTER_NAME_PATTERN)
@@ -34,57 +29,26 @@ class UnknownAdapterError(ValueError):
 @dataclass(frozen=True)
 class RegisteredRevision:
     ref: AdapterRef
-    slot: int
-    rank: int
-    nbytes: int
-    manifest: dict
+    rank: int  # the largest rank over the adapter's modules
+    nbytes: int  # bytes of its A and B matrices in the serving dtype
+    manifest: dict[str, Any]
 
 
 class AdapterRegistry:
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        max_rank: int,
-        table: LoRASlotTable,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        self.model_config = model_config
-        self.max_rank = max_rank
-        self.table = table
-        self.dtype = dtype
-        self.device = device
+    def __init__(self) -> None:
         self._revisions: dict[str, dict[str, RegisteredRevision]] = {}  # name -> revision -> entry
         self._latest: dict[str, str] = {}
         self._holds: Counter[AdapterRef] = Counter()
-        self._next_slot = 0
-        self._slot_of_revision: dict[str, int] = {}
 
     # --- registration -------------------------------------------------------------------------
 
-    def register(self, name: str, path: str | Path) -> AdapterRef:
-        """Import a PEFT adapter directory under `name`; raises ValueError naming any problem and
-        changes nothing in that case."""
+    def add(self, name: str, revision: str, rank: int, nbytes: int, manifest: dict[str, Any]) -> AdapterRef:
+        """Record `revision` under `name` and make it the name's latest. The caller has verified
+        and loaded the content; a revision already known under this name is returned as it is."""
         check_adapter_name(name)
-        imported = import_peft_adapter(path, self.model_config, self.max_rank)
-        return self.register_imported(name, imported)
-
-    def register_imported(self, name: str, imported: ImportedAdapter) -> AdapterRef:
-        check_adapter_name(name)
-        revision = adapter_revision(imported)
         revisions = self._revisions.setdefault(name, {})
         if revision not in revisions:
-            # Identical content under another name shares one slot: the revision is the identity.
-            slot = self._slot_of_revision.get(revision)
-            if slot is None:
-                slot = self._next_slot
-                self._next_slot += 1
-                self.table.set(slot, imported.weights.to(self.device, self.dtype))
-                self._slot_of_revision[revision] = slot
-            weights = self.table.weights(slot)
-            revisions[revision] = RegisteredRevision(
-                AdapterRef(name, revision), slot, weights.max_rank, weights.nbytes, imported.manifest
-            )
+            revisions[revision] = RegisteredRevision(AdapterRef(name, revision), rank, nbytes, manifest)
         self._latest[name] = revision
         return revisions[revision].ref
 
@@ -134,12 +98,13 @@ class AdapterRegistry:
 
     # --- holds by requests ----------------------------------------------------------------------
 
-    def acquire(self, spec: str | AdapterRef | None) -> tuple[AdapterRef | None, int]:
+    def acquire(self, spec: str | AdapterRef | None) -> AdapterRef | None:
+        """Resolve `spec` and hold the revision for one request (None: the base model)."""
         if spec is None:
-            return None, BASE_SLOT
+            return None
         entry = self.resolve(spec)
         self._holds[entry.ref] += 1
-        return entry.ref, entry.slot
+        return entry.ref
 
     def release(self, ref: AdapterRef | None) -> None:
         if ref is None:
@@ -151,6 +116,10 @@ class AdapterRegistry:
 
     def holds(self, ref: AdapterRef) -> int:
         return self._holds.get(ref, 0)
+
+    def held_revisions(self) -> set[str]:
+        """Revisions some live request holds (residency must keep them loadable)."""
+        return {ref.revision for ref in self._holds}
 
 
 def check_adapter_name(name: str) -> None:

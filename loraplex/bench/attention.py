@@ -14,6 +14,7 @@ kernels where it picks them) are timed for comparison. Writes `attention.json` u
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loraplex.layers.attention import AttentionMetadata, paged_attention_torch
+from loraplex.layers.attention import paged_attention_torch
+from loraplex.layers.attention_metadata import AttentionMetadata
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -101,7 +103,7 @@ def run(out_dir: Path | None) -> list[dict]:
     for label, (seqs, with_ref) in cases.items():
         c = _case(seqs, with_ref)
         args = (c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"])
-        kern_us = _median_us(lambda a=args, m=c["meta"]: paged_attention_triton(*a, m, scale, None))
+        kern_us = _median_us(functools.partial(paged_attention_triton, *args, c["meta"], scale, None))
         row: dict = dict(case=label, triton_us=kern_us)
         ctx_total = sum(p + n for p, n in seqs)
         kv_bytes = 2 * ctx_total * HKV * HEAD_DIM * 2
@@ -115,7 +117,7 @@ def run(out_dir: Path | None) -> list[dict]:
         if with_ref:
             m_ref = c["meta_ref"]
             row["torch_ref_us"] = _median_us(
-                lambda a=args, m=m_ref: paged_attention_torch(*a, m, scale, None), 100
+                functools.partial(paged_attention_torch, *args, m_ref, scale, None), 100
             )
         try:
             row["sdpa_dense_us"] = _median_us(_dense_sdpa(c))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import cast
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch import nn
 from loraplex.bench.engine import random_adapter, random_model, tiny_hf_dict
 from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import Engine
+from loraplex.model.llama import LlamaFamilyModel
 from loraplex.types import SamplingParams
 
 
@@ -56,17 +58,18 @@ def measure(requests: int = 8, prompt: int = 512, adapters: int = 8, repeats: in
     engine = Engine(config, model=random_model(mc, torch.float32, cpu, 0))
     names = [f"a{i}" for i in range(adapters)]
     for i, name in enumerate(names):
-        engine.adapters.register_imported(name, random_adapter(mc, 8, 1000 + i, torch.float32, cpu))
-    engine.runner.model = _StubModel(mc)
+        engine.register_imported(name, random_adapter(mc, 8, 1000 + i, torch.float32, cpu))
+    engine.runner.model = cast(LlamaFamilyModel, _StubModel(mc))  # the model's interface, no work
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for i in range(requests):
         prompt_ids = [3 + (i + j) % 50 for j in range(prompt)]
         engine.add_request(f"r{i}", prompt_ids, params, names[i % adapters] if adapters else None)
     plan = engine.scheduler.schedule()
+    slots = engine.slot_map(plan)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        engine.runner._run_eager(plan, None)
+        engine.runner._run_eager(plan, slots, None)
         times.append(time.perf_counter() - t0)
     return {
         "rows": float(sum(c.num_tokens for c in plan.chunks)),

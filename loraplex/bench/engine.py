@@ -82,7 +82,9 @@ class EngineBenchArgs:
     def preset(cls, tiny: bool, **overrides: Any) -> EngineBenchArgs:
         """Defaults of the preset (issue #5's case, or a tiny CPU smoke run), then any overrides
         that are not None."""
-        base = dict(batch=8, context=64, adapters=4, rank=8, steps=10, repeats=1) if tiny else {}
+        base: dict[str, Any] = (
+            dict(batch=8, context=64, adapters=4, rank=8, steps=10, repeats=1) if tiny else {}
+        )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(tiny=tiny, **base)
 
@@ -278,7 +280,7 @@ def _host_breakdown(engine: Engine, steps: int = 10) -> str:
         t0 = time.perf_counter()
         plan = engine.scheduler.schedule()
         t1 = time.perf_counter()
-        result = engine.runner.run(plan)
+        result = engine.runner.run(plan, engine.slot_map(plan))
         t2 = time.perf_counter()
         _sync(engine.device)
         t3 = time.perf_counter()
@@ -345,14 +347,15 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
 
         if args.lora_tiling not in TILING_VARIANTS:
             raise SystemExit(f"unknown LoRA tiling {args.lora_tiling!r}; known: {', '.join(TILING_VARIANTS)}")
-        engine.lora_backend.tiling = TILING_VARIANTS[args.lora_tiling]
+        backend: Any = engine.lora_backend  # a tiling names a Triton backend's
+        backend.tiling = TILING_VARIANTS[args.lora_tiling]
 
     t0 = time.perf_counter()
     names = []
     for i in range(args.adapters):
         imported = random_adapter(mc, args.rank, args.seed + 1000 + i, dtype, device)
         names.append(f"bench-{i}")
-        engine.adapters.register_imported(names[-1], imported)
+        engine.register_imported(names[-1], imported)
     _sync(device)
     register_s = time.perf_counter() - t0
     lora_bytes = sum(e.nbytes for e in engine.adapters.list())
@@ -454,13 +457,24 @@ class _LoRAVariant:
         runner = engine.runner.static_decode
         if runner is not None or (named and named[0]):  # a named overlap mode runs the static path
             capture = runner.capture if runner is not None else False
-            runner = StaticDecodeRunner.for_engine(engine, args.batch, capture=capture, lora_overlap=overlap)
+            runner = StaticDecodeRunner(
+                engine.model,
+                engine.kv,
+                engine.lora_table,
+                engine.lora_backend,
+                engine.device,
+                args.batch,
+                engine.max_model_len,
+                capture=capture,
+                lora_overlap=overlap,
+            )
         current = getattr(engine.lora_backend, "tiling", None)  # the torch backend (CPU) has none
         return cls(engine, runner, TILING_VARIANTS[names[0]] if names else current)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        runner, backend = self.engine.runner, self.engine.lora_backend
+        runner = self.engine.runner
+        backend: Any = self.engine.lora_backend  # a tiling where it has one (the Triton backend)
         has_tiling = hasattr(backend, "tiling")
         saved = runner.static_decode, getattr(backend, "tiling", None)
         runner.static_decode = self.runner

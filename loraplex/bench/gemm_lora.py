@@ -14,7 +14,8 @@ Modes:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def layer_modes(
     case: KernelCase,
     table: LoRASlotTable,
     base_w: dict[str, torch.Tensor],
-    tilings: dict[str, LoRATiling | None],
+    tilings: Mapping[str, LoRATiling | None],
 ) -> list[dict]:
     """One row per (mode, tiling): graph-replay time of the layer and its ratio to `base only`."""
     device = timer.device
@@ -76,7 +77,8 @@ def layer_modes(
 
         return layer
 
-    rows, base_us = [], None
+    rows: list[dict[str, Any]] = []
+    base_us: float | None = None
     for mode in MODES:
         for name, tiling in tilings.items() if mode != "base only" else [("-", None)]:
             be = TritonLoRABackend(tiling)

@@ -85,7 +85,7 @@ def _stub_runner(engine: Engine, logits: torch.Tensor, forward_ms: float, spent:
     required = {f.name for f in fields(ForwardResult) if f.default is MISSING}
     fixed = {k: v for k, v in values.items() if k in present}
     assert required <= fixed.keys() | {"sample_logits", "sample_chunks"}, required
-    cycles = 0
+    cycles: float = 0
     if forward_ms > 0:
         cycles = _sleep_cycles_per_ms(logits.device) * forward_ms
 

@@ -236,14 +236,16 @@ class KernelBench:
         }
         return xs, ys
 
-    def _time_pair(self, fn: Callable[[], None]) -> dict[str, float]:
+    def _time_pair(self, fn: Callable[[], object]) -> dict[str, float]:
         return {"eager_us": 1e3 * self.timer.median_ms(fn), "graph_us": 1e3 * self.timer.graph_median_ms(fn)}
 
     def base_gemm(self, rows: int) -> dict[str, dict[str, float]]:
         """Base linear layers of the same shapes (cuBLAS through F.linear), cached per row count."""
         if rows not in self._base_cache:
             xs, _ = self._io(rows)
-            fns = {g: (lambda g=g: F.linear(xs[g], self.base_weights[g])) for g in GROUPS}
+            fns: dict[str, Callable[..., object]] = {
+                g: (lambda g=g: F.linear(xs[g], self.base_weights[g])) for g in GROUPS
+            }
             fns[LAYER] = lambda: [fns[g]() for g in GROUPS]
             self._base_cache[rows] = {g: self._time_pair(fn) for g, fn in fns.items()}
         return self._base_cache[rows]
@@ -286,7 +288,7 @@ class KernelBench:
         def one(g: str) -> Callable[[], None]:
             return lambda: be.apply(ys[g], xs[g], meta, table, 0, g, offs[g])
 
-        fns = {g: one(g) for g in GROUPS} if groups else {}
+        fns: dict[str, Callable[[], object]] = {g: one(g) for g in GROUPS} if groups else {}
         fns[LAYER] = lambda: [be.apply(ys[g], xs[g], meta, table, 0, g, offs[g]) for g in GROUPS]
         out = {"case": asdict(case), "label": case.label, "meta_build_us": build_us, "layers": {}}
         for g, fn in fns.items():

@@ -39,7 +39,7 @@ def measure(layers: int = 8, rows: int = 64, adapters: int = 32, steps: int = 50
     backend = TritonLoRABackend()
     backend._sms[torch.device("cpu")] = 132  # an H200's SM count: the plans of the real shapes
     kernels = backend._k
-    backend._k = type(  # type: ignore[assignment]
+    backend._k = type(
         "NoLaunchKernels",
         (),
         {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import random
@@ -127,16 +128,16 @@ def greedy(model, prompts: Sequence[str], max_new: int = tasks.MAX_LEN + 1) -> l
         by_len.setdefault(len(ids), []).append(i)
     out = [""] * len(prompts)
     for idxs in by_len.values():
-        ids = torch.tensor([encoded[i] for i in idxs])
+        batch = torch.tensor([encoded[i] for i in idxs])
         gen = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
+            input_ids=batch,
+            attention_mask=torch.ones_like(batch),
             max_new_tokens=max_new,
             do_sample=False,
             eos_token_id=EOS_ID,
             pad_token_id=PAD_ID,
         )
-        for row, i in zip(gen[:, ids.shape[1] :].tolist(), idxs, strict=True):
+        for row, i in zip(gen[:, batch.shape[1] :].tolist(), idxs, strict=True):
             tokens = row[: row.index(EOS_ID)] if EOS_ID in row else row
             out[i] = _TOKENIZER.decode(tokens, skip_special_tokens=True)
     model.train(was_training)
@@ -263,7 +264,7 @@ def final_table(base, adapters: dict, n: int, seed: int) -> dict[str, tasks.Task
     inputs = tasks.held_out_inputs(n, seed=seed)
     scores = {"base": tasks.evaluate(lambda p: greedy(base, p), "copy", inputs)}
     for name, model in adapters.items():
-        scores[name] = tasks.evaluate(lambda p, m=model: greedy(m, p), name, inputs)
+        scores[name] = tasks.evaluate(functools.partial(greedy, model), name, inputs)
     return scores
 
 

@@ -22,14 +22,14 @@ tests check the buffers, padding and segment cutting; capture and replay need CU
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from loraplex.adapters.residency import StepSlots
 from loraplex.engine.scheduler import StepPlan
 from loraplex.kv.kv_cache import PagedKVCache
-from loraplex.layers.attention import AttentionMetadata
+from loraplex.layers.attention_metadata import AttentionMetadata
 from loraplex.layers.linear import LoRAStep
 from loraplex.lora.backend import LoRABackend
 from loraplex.lora.layout import GROUP_SLICES
@@ -37,9 +37,6 @@ from loraplex.lora.metadata import BASE_SLOT, LoRABatchMetadata, StaticLoRAShape
 from loraplex.lora.triton_config import DECODE, block_r_for
 from loraplex.lora.weights import LoRASlotTable
 from loraplex.model.llama import LlamaFamilyModel
-
-if TYPE_CHECKING:
-    from loraplex.engine.engine import Engine
 
 SEGMENT_ROWS = DECODE.block_m  # longest LoRA segment of a captured step: one row tile
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -162,23 +159,6 @@ class StaticDecodeRunner:
             (layer, g) for layer in range(model.config.num_hidden_layers) for g in GROUP_SLICES
         )
 
-    @classmethod
-    def for_engine(
-        cls, engine: Engine, max_batch: int, capture: bool, lora_overlap: int = 0
-    ) -> StaticDecodeRunner:
-        """A runner over an engine's model, KV cache, LoRA table and backend."""
-        return cls(
-            engine.model,
-            engine.kv,
-            engine.lora_table,
-            engine.lora_backend,
-            engine.device,
-            max_batch,
-            engine.max_model_len,
-            capture=capture,
-            lora_overlap=lora_overlap,
-        )
-
     def can_run(self, plan: StepPlan) -> bool:
         if batch_bucket(len(plan.chunks), self.max_batch) is None:
             return False
@@ -186,14 +166,14 @@ class StaticDecodeRunner:
         return all(c.num_tokens == 1 and c.completes and len(c.seq.block_ids) <= width for c in plan.chunks)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor, int]:
+    def run(self, plan: StepPlan, slots: StepSlots) -> tuple[torch.Tensor, int]:
         """Logits [n, V] float32 of the step's n sequences (a view of the graph's output: read it
         before the next step), and the number of distinct adapters in the step."""
         chunks = plan.chunks
         n = len(chunks)
         b = batch_bucket(n, self.max_batch)
         assert b is not None
-        segments, distinct = self._segments([c.seq.slot for c in chunks])
+        segments, distinct = self._segments(slots.slots)
         lora_key = None
         if segments:
             epoch, null_slot = self.lora_backend.graph_epoch(self.lora_table, self.device)

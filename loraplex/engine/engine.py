@@ -15,7 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from loraplex.adapters.registry import AdapterRegistry
+from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
+from loraplex.adapters.registry import AdapterRegistry, check_adapter_name
+from loraplex.adapters.residency import AdapterResidency, StepSlots
+from loraplex.adapters.revision import adapter_revision
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.model_runner import ForwardResult, ModelRunner
@@ -84,7 +87,8 @@ class Engine:
         )
         self.lora_table = LoRASlotTable(mc.num_hidden_layers)
         self.lora_backend = make_lora_backend(self.device)
-        self.adapters = AdapterRegistry(mc, config.lora.max_rank, self.lora_table, dtype, self.device)
+        self.adapters = AdapterRegistry()  # which revisions exist, and who holds them
+        self.residency = AdapterResidency(self.lora_table, dtype, self.device)  # where their weights are
         self.scheduler = Scheduler(config.scheduler, self.pool, block_size)
         self.runner = ModelRunner(
             self.model, self.kv, self.lora_table, self.lora_backend, self.device, self._static_decode(config)
@@ -105,7 +109,19 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     def register_adapter(self, name: str, path: str | Path) -> AdapterRef:
-        return self.adapters.register(name, path)
+        """Import a PEFT adapter directory under `name`; raises ValueError naming any problem and
+        changes nothing in that case."""
+        check_adapter_name(name)
+        return self.register_imported(
+            name, import_peft_adapter(path, self.model_config, self.config.lora.max_rank)
+        )
+
+    def register_imported(self, name: str, imported: ImportedAdapter) -> AdapterRef:
+        """Register already imported (normalized, verified) weights: load them, then name them."""
+        check_adapter_name(name)
+        revision = adapter_revision(imported)
+        facts = self.residency.load(revision, imported.weights)
+        return self.adapters.add(name, revision, facts.max_rank, facts.nbytes, imported.manifest)
 
     def add_request(
         self,
@@ -133,11 +149,17 @@ class Engine:
                 f"request needs up to {worst_case} tokens of KV cache, more than the pool's "
                 f"{self.pool.num_blocks * self.kv.block_size}"
             )
-        ref, slot = self.adapters.acquire(adapter)
+        ref = self.adapters.acquire(adapter)
+        if ref is not None:
+            try:
+                self.residency.ensure(ref.revision)
+            except Exception:
+                self.adapters.release(ref)
+                raise
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq = Sequence(request_id, token_ids, params, ref, slot, next(self._arrivals), generator)
+        seq = Sequence(request_id, token_ids, params, ref, next(self._arrivals), generator)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
         self._seqs[request_id] = seq
@@ -188,10 +210,17 @@ class Engine:
         if self._steps % _HEALTH_CHECK_EVERY == 0:
             self.lora_backend.check_health()
         calls_before = self.lora_backend.total_calls
-        result = self.runner.run(plan)
+        # The step's slot map, its slots pinned while it runs (only scheduled sequences pin).
+        slots = self.slot_map(plan)
+        try:
+            self.residency.check(slots)
+            result = self.runner.run(plan, slots)
+        finally:
+            self.residency.end_step()
         deltas = self._postprocess(plan, result)
         self.last_stats = StepStats.of(
             plan,
+            slots,
             result.num_adapters,
             self.lora_backend.total_calls - calls_before,
             self.scheduler,
@@ -199,6 +228,12 @@ class Engine:
             result.static_replay,
         )
         return deltas
+
+    def slot_map(self, plan: StepPlan) -> StepSlots:
+        """The plan's slot map from residency; its slots stay pinned until `residency.end_step()`."""
+        return self.residency.step_slots(
+            [None if (a := c.seq.adapter) is None else a.revision for c in plan.chunks]
+        )
 
     def _postprocess(self, plan: StepPlan, result: ForwardResult) -> list[RequestDelta]:
         if result.prompt_rows:
@@ -292,8 +327,16 @@ class Engine:
         max_batch = min(config.graphs.cuda_graph_max_batch, config.scheduler.max_num_seqs)
         if self.device.type != "cuda" or max_batch == 0:
             return None
-        return StaticDecodeRunner.for_engine(
-            self, max_batch, capture=True, lora_overlap=config.graphs.lora_overlap
+        return StaticDecodeRunner(
+            self.model,
+            self.kv,
+            self.lora_table,
+            self.lora_backend,
+            self.device,
+            max_batch,
+            self.max_model_len,
+            capture=True,
+            lora_overlap=config.graphs.lora_overlap,
         )
 
     @property

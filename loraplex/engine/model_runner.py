@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.adapters.residency import StepSlots
 from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.scheduler import StepPlan
 from loraplex.host_to_device import to_device
 from loraplex.kv.kv_cache import PagedKVCache
-from loraplex.layers.attention import AttentionMetadata
+from loraplex.layers.attention_metadata import AttentionMetadata
 from loraplex.layers.linear import LoRAStep
 from loraplex.lora.backend import LoRABackend
 from loraplex.lora.metadata import LoRABatchMetadata
@@ -53,9 +54,12 @@ class ModelRunner:
         self.static_decode = static_decode
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, hidden_capture: dict[int, torch.Tensor] | None = None) -> ForwardResult:
+    def run(
+        self, plan: StepPlan, slots: StepSlots, hidden_capture: dict[int, torch.Tensor] | None = None
+    ) -> ForwardResult:
+        """One forward over the plan's rows; `slots` is the step's slot map from residency."""
         if self.static_decode is not None and hidden_capture is None and self.static_decode.can_run(plan):
-            logits, num_adapters = self.static_decode.run(plan)
+            logits, num_adapters = self.static_decode.run(plan, slots)
             return ForwardResult(
                 sample_logits=logits,
                 sample_chunks=tuple(range(len(plan.chunks))),
@@ -64,9 +68,11 @@ class ModelRunner:
                 num_adapters=num_adapters,
                 static_replay=True,
             )
-        return self._run_eager(plan, hidden_capture)
+        return self._run_eager(plan, slots, hidden_capture)
 
-    def _run_eager(self, plan: StepPlan, hidden_capture: dict[int, torch.Tensor] | None) -> ForwardResult:
+    def _run_eager(
+        self, plan: StepPlan, slot_map: StepSlots, hidden_capture: dict[int, torch.Tensor] | None
+    ) -> ForwardResult:
         bs = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -78,12 +84,12 @@ class ModelRunner:
         sample_chunks: list[int] = []
         prompt_rows: list[int] = []
         prompt_meta: list[PromptLogprobRow] = []
-        for ci, chunk in enumerate(plan.chunks):
+        for ci, (chunk, adapter_slot) in enumerate(zip(plan.chunks, slot_map.slots, strict=True)):
             seq = chunk.seq
             start = seq.num_computed
             end = start + chunk.num_tokens
             table = seq.block_ids
-            lora_runs.append((seq.slot, len(input_ids), end - start))
+            lora_runs.append((adapter_slot, len(input_ids), end - start))
             input_ids.extend(seq.tokens_between(start, end))
             positions.extend(range(start, end))
             # KV slots block by block: each block's positions are one contiguous run of slots

@@ -23,8 +23,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    adapter: AdapterRef | None
-    slot: int  # LoRA slot of the adapter revision, or BASE_SLOT
+    adapter: AdapterRef | None  # the revision, resolved once at admission; where it lives is residency's
     arrival: int  # admission order; FCFS and preemption priority
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)

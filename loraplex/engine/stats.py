@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loraplex.adapters.residency import StepSlots
 from loraplex.engine.scheduler import Scheduler, StepPlan
 from loraplex.kv.block_pool import BlockPool
 from loraplex.lora.metadata import BASE_SLOT
@@ -28,6 +29,7 @@ class StepStats:
     def of(
         cls,
         plan: StepPlan,
+        slots: StepSlots,
         num_adapters: int,
         lora_op_calls: int,
         scheduler: Scheduler,
@@ -37,14 +39,14 @@ class StepStats:
         # One pass over the chunks (a pure decode step of batch 64 is 64 of them).
         rows_per_request: dict[str, int] = {}
         rows = decode = base = 0
-        for c in plan.chunks:
+        for c, slot in zip(plan.chunks, slots.slots, strict=True):
             n = c.num_tokens
             seq = c.seq
             rows_per_request[seq.request_id] = n
             rows += n
             if c.is_decode:
                 decode += n
-            if seq.slot == BASE_SLOT:
+            if slot == BASE_SLOT:
                 base += n
         return cls(
             num_rows=rows,

@@ -41,3 +41,6 @@ class BlockPool:
     def check_integrity(self) -> None:
         assert len(self._used) + len(self._free) == self.num_blocks
         assert not self._used.intersection(self._free)
+        # With the count above, this also rules out an id free twice or one outside the pool,
+        # which the two checks above let through when a lost block makes room for it.
+        assert self._used.union(self._free) == set(range(self.num_blocks)), "free/used ids are not the pool's"

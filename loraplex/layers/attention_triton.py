@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.layers.attention import AttentionMetadata
+from loraplex.layers.attention_metadata import AttentionMetadata
 
 # Running-max start: finite, so a tile with every key masked gives exp(-inf) = 0. A constexpr:
 # compiled kernels may read no other kind of module global.

@@ -209,8 +209,8 @@ def rotary_qk_(
         return
     half = d // 2
     norm = q_norm is not None and k_norm is not None
-    qw, eps_q = q_norm if norm else (table, 0.0)  # the weights are unread without NORM
-    kw, eps_k = k_norm if norm else (table, 0.0)
+    qw, eps_q = q_norm if norm and q_norm is not None else (table, 0.0)  # the weights are unread without NORM
+    kw, eps_k = k_norm if norm and k_norm is not None else (table, 0.0)
     h_pad, half_pad = triton.next_power_of_2(n_q), triton.next_power_of_2(half)
     _rotary_kernel[(t,)](
         q, k, positions, table, qw, kw,

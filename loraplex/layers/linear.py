@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -140,7 +140,8 @@ class _LoRALinear(nn.Module):
     def load_slice(self, index: int, tensor: torch.Tensor, bias: bool = False) -> None:
         """Copy one logical projection (a fused slice) from a checkpoint tensor."""
         lo, hi = self.slice_offsets[index], self.slice_offsets[index + 1]
-        dest = (self.bias if bias else self.weight)[lo:hi]
+        # bias=True on a layer made without a bias fails here: None is not subscriptable
+        dest = cast(nn.Parameter, self.bias if bias else self.weight)[lo:hi]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"checkpoint tensor for layer {self.layer} {self.group}[{index}] has shape "

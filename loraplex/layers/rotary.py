@@ -60,6 +60,8 @@ class RotaryEmbedding(nn.Module):
     recomputes them per call. Both give the same float32 cos/sin values: the table's rows are the
     same `position * inv_freq` products through the same cos/sin."""
 
+    inv_freq: torch.Tensor  # a buffer (not saved: recomputed from the config)
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int = 0) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)

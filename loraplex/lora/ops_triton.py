@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -434,12 +435,11 @@ class TritonLoRABackend:
             slice_offsets[i + 1] - slice_offsets[i] if slice_mask >> i & 1 else 0 for i in range(n_slices)
         )
         key = (tiling, tiles, r_chunks, d_in, widths, step.block_r, x.device, x.dtype)
-        plan = self._plans.get(key, _UNPLANNED)
-        if plan is None:
+        cached = self._plans.get(key, _UNPLANNED)
+        if cached is None:
             return False
-        first = plan is _UNPLANNED
-        if first:
-            plan = None
+        first = cached is _UNPLANNED
+        plan = cached if isinstance(cached, FusedPlan) else None
         kw_key = (key, slice_mask, tuple(cols), dev.rank_aligned, dev.base.dtype)
         sms = self._num_sms(x.device)
         if first:
@@ -503,6 +503,7 @@ class TritonLoRABackend:
             if not fits:
                 self._plans[key] = None
                 return False
+            assert plan is not None  # a plan that fits is never None
         self._plans[key] = plan
         pos, kw = args(plan)
         self._fused_kw[kw_key] = kw
@@ -590,7 +591,7 @@ class TritonLoRABackend:
         )  # fmt: skip
 
     @staticmethod
-    def _programs_per_sm(compiled: object, device: torch.device) -> int:
+    def _programs_per_sm(compiled: Any, device: torch.device) -> int:
         ck = compiled.result() if hasattr(compiled, "result") else compiled
         ck._init_handles()
         props = torch.cuda.get_device_properties(device)

@@ -13,6 +13,7 @@ Pure Python (no triton import), so it is testable anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ def row_loop_applies(
     return width is None or width >= tiling.row_loop_min_width
 
 
-def with_overrides(tiling: LoRATiling, **kw: int) -> LoRATiling:
+def with_overrides(tiling: LoRATiling, **kw: Any) -> LoRATiling:
     return replace(tiling, **kw)
 
 

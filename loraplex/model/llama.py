@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.config import ModelConfig
-from loraplex.layers.attention import AttentionMetadata, paged_attention
+from loraplex.layers.attention import paged_attention
+from loraplex.layers.attention_metadata import AttentionMetadata
 from loraplex.layers.fused import fused_ops, use_fused
 from loraplex.layers.linear import ColumnParallelLinear, LoRAStep, RowParallelLinear
 from loraplex.layers.norm import RMSNorm

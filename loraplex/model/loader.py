@@ -7,11 +7,13 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
 
 from loraplex.config import ModelConfig
+from loraplex.layers.linear import ColumnParallelLinear
 from loraplex.model.llama import LlamaFamilyModel
 from loraplex.model.registry import MODEL_CLASSES
 
@@ -111,7 +113,7 @@ def _load_one(
     module_name, _, suffix = rest.rpartition(".")
     if module_name in _FUSED:
         fused_name, index = _FUSED[module_name]
-        fused = model.layers[layer].get_submodule(fused_name)
+        fused = cast(ColumnParallelLinear, model.layers[layer].get_submodule(fused_name))
         fused.load_slice(index, tensor, bias=suffix == "bias")
         loaded.add(f"layers.{layer}.{fused_name}.{suffix}[{index}]")
         return

@@ -39,7 +39,7 @@ class _AddMany:
     requests: list[tuple[str, str | list[int], SamplingParams]]
     adapter: str | AdapterRef | None
     streams: list[_Stream]
-    done: Future = field(default_factory=Future)
+    done: Future[None] = field(default_factory=Future)
 
 
 class StepObserver:
@@ -94,9 +94,9 @@ class AsyncEngine:
         """Cancel a request (client gone); safe to call for finished or unknown ids."""
         self._commands.put(("abort", request_id))
 
-    def call(self, fn: Callable[[Engine], Any]) -> Future:
+    def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
         """Run fn(engine) on the loop thread (admin operations such as registering adapters)."""
-        fut: Future = Future()
+        fut: Future[Any] = Future()
         self._commands.put(("call", fn, fut))
         return fut
 

@@ -95,8 +95,8 @@ class Guard:
             if name == b"authorization":
                 header = value.decode("latin-1")
                 break
-        scheme, _, token = header.partition(" ")
-        token = token.strip().encode("latin-1", "replace")
+        scheme, _, credentials = header.partition(" ")
+        token = credentials.strip().encode("latin-1", "replace")
         # compare_digest keeps the comparison time independent of how much of a key matched
         matches = [hmac.compare_digest(token, key.encode()) for key in self.api_keys]
         return scheme.lower() == "bearer" and any(matches)

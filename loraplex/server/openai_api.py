@@ -117,7 +117,7 @@ def create_app(
 
     describe_routes(app)
     app.add_middleware(
-        Guard,  # type: ignore[arg-type]
+        Guard,
         api_keys=api_keys,
         limits=limits,
         on_refused=lambda status: metrics.refused.labels(str(status)).inc(),
@@ -156,7 +156,7 @@ async def _respond(
 
 
 async def _sse(
-    chunks: AsyncIterator[dict], async_engine: AsyncEngine, request_id: str, runs: list[ChoiceRun]
+    chunks: AsyncIterator[dict[str, Any]], async_engine: AsyncEngine, request_id: str, runs: list[ChoiceRun]
 ) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:

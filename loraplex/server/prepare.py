@@ -242,7 +242,10 @@ class RequestPreparer:
                 400, f"the messages cannot fit the context length of {self.max_model_len}", param="messages"
             )
         try:
-            return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+            text: str = self.tokenizer.apply_chat_template(
+                rendered, tokenize=False, add_generation_prompt=True
+            )
+            return text
         except Exception as err:  # a template may reject a conversation (e.g. role order)
             raise APIError(400, f"chat template rejected the messages: {err}", param="messages") from None
 

@@ -224,7 +224,9 @@ def _joined(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
     return {key: a[key] + b[key] for key in a}
 
 
-async def _pump(index: int, source: asyncio.Queue[RequestOutput], sink: asyncio.Queue) -> None:
+async def _pump(
+    index: int, source: asyncio.Queue[RequestOutput], sink: asyncio.Queue[tuple[int, RequestOutput]]
+) -> None:
     while True:
         out = await source.get()
         await sink.put((index, out))

@@ -19,7 +19,7 @@ def test_engine_from_in_memory_model() -> None:
     assert engine.model is model and engine.model_config is mc and engine.tokenizer is None
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request("text", "hello", SamplingParams())
-    engine.adapters.register_imported("a", random_adapter(mc, 4, 1, torch.bfloat16, torch.device("cpu")))
+    engine.register_imported("a", random_adapter(mc, 4, 1, torch.bfloat16, torch.device("cpu")))
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.add_request("base", [5, 6, 7], params)
     engine.add_request("lora", [5, 6, 7], params, adapter="a")

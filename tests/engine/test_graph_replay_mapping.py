@@ -15,7 +15,9 @@ import torch
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
+from loraplex.adapters.residency import StepSlots
 from loraplex.engine.cuda_graphs import StaticDecodeRunner
+from loraplex.lora.metadata import BASE_SLOT
 from loraplex.lora.weights import AdapterWeights, LoRAPair
 
 ADAPTERS = {
@@ -37,17 +39,27 @@ def _engine(tmp_path: Path, device: str, overlap: int = 0):  # noqa: ANN202
         )
     e = llm.engine
     if device == "cpu":
-        e.runner.static_decode = StaticDecodeRunner.for_engine(e, 16, capture=False, lora_overlap=overlap)
+        e.runner.static_decode = StaticDecodeRunner(
+            e.model,
+            e.kv,
+            e.lora_table,
+            e.lora_backend,
+            e.device,
+            16,
+            e.max_model_len,
+            capture=False,
+            lora_overlap=overlap,
+        )
     return e
 
 
-def _both(engine, plan) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+def _both(engine, plan, slots) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
     """Logits of the same decode step, replayed and eager (each rewrites the same KV entries)."""
     static = engine.runner.static_decode
     assert static.can_run(plan)
-    replayed, _ = static.run(plan)
+    replayed, _ = static.run(plan, slots)
     replayed = replayed.clone()
-    eager = engine.runner._run_eager(plan, None).sample_logits
+    eager = engine.runner._run_eager(plan, slots, None).sample_logits
     return replayed, eager
 
 
@@ -72,25 +84,27 @@ def test_replay_reads_live_mapping_and_weights(tmp_path: Path, device: str, over
     static = e.runner.static_decode
 
     plan = e.scheduler.schedule()
-    replayed, eager = _both(e, plan)
+    slots = e.slot_map(plan)
+    replayed, eager = _both(e, plan, slots)
     assert _close(replayed, eager, device)
     captures = static.captures
-    e._postprocess(plan, e.runner._run_eager(plan, None))
+    e._postprocess(plan, e.runner._run_eager(plan, slots, None))
 
     # 1. a new token -> adapter mapping under the same graph key (same bucket, same number of
     #    segments, same rank tile): swap the adapters of rows 0 and 1, base row 2 takes row 3's
     plan = e.scheduler.schedule()
-    seqs = [c.seq for c in plan.chunks]
-    slots = [s.slot for s in seqs]
-    seqs[0].slot, seqs[1].slot, seqs[2].slot, seqs[3].slot = slots[1], slots[0], slots[3], slots[2]
-    replayed, eager = _both(e, plan)
+    live = e.slot_map(plan)
+    s = list(live.slots)
+    swapped = [s[1], s[0], s[3], s[2], *s[4:]]
+    slots = StepSlots(swapped, live.generations, list(dict.fromkeys(x for x in swapped if x != BASE_SLOT)))
+    replayed, eager = _both(e, plan, slots)
     assert _close(replayed, eager, device)
     before = replayed
 
     # 2. other weights behind a slot (the device tables are updated in place, no recapture)
-    slot_a = seqs[1].slot
+    slot_a = slots.slots[1]
     e.lora_table.set(slot_a, _scaled(e.lora_table.weights(slot_a), 40.0))
-    replayed, eager = _both(e, plan)
+    replayed, eager = _both(e, plan, slots)
     assert _close(replayed, eager, device)
     row = 1  # now on adapter a's slot: its logits must have moved with the weights
     assert not _close(replayed[row : row + 1], before[row : row + 1], device)

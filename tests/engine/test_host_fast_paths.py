@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from loraplex.adapters.residency import StepSlots
 from loraplex.config import SchedulerConfig
 from loraplex.engine.sampler import Sampler, filtered_logits, logprob_dicts
 from loraplex.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
@@ -22,7 +23,7 @@ from loraplex.engine.stats import StepStats
 from loraplex.engine.stop import StopChecker
 from loraplex.kv.block_pool import BlockPool
 from loraplex.lora.metadata import BASE_SLOT
-from loraplex.types import SamplingParams
+from loraplex.types import AdapterRef, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -154,7 +155,7 @@ def test_tokenizer_less_stop_checks_equal_the_general_checks() -> None:
             stop_token_ids=tuple(rnd.sample(range(10), rnd.randint(0, 2))),
             stop=("ab",) if rnd.random() < 0.3 else (),
         )
-        seq = Sequence(f"r{trial}", [1] * rnd.randint(1, 6), params, None, BASE_SLOT, trial)
+        seq = Sequence(f"r{trial}", [1] * rnd.randint(1, 6), params, None, trial)
         seq.output_token_ids = [rnd.randrange(10) for _ in range(rnd.randint(1, 9))]
         max_len = rnd.randint(3, 14)
         want = checker._reason(seq, max_len)
@@ -204,6 +205,9 @@ def _reference_schedule(self: Scheduler) -> StepPlan:
     return StepPlan(tuple(chunks), tuple(preempted))
 
 
+_REFS = [AdapterRef("a", "0" * 64), AdapterRef("b", "1" * 64)]  # slots 0 and 1
+
+
 def _simulate(reference: bool, seed: int, num_blocks: int) -> list[tuple]:
     """Drive a scheduler with model-free steps; one signature per step (plan and stats)."""
     rnd = random.Random(seed)
@@ -218,19 +222,20 @@ def _simulate(reference: bool, seed: int, num_blocks: int) -> list[tuple]:
     for step in range(120):
         if step < 60 and rnd.random() < 0.4:
             params = SamplingParams(max_tokens=rnd.randint(1, 12))
-            slot = rnd.choice([BASE_SLOT, 0, 1])
-            seq = Sequence(f"s{step}", [5] * rnd.randint(1, 20), params, None, slot, next(arrivals))
+            adapter = rnd.choice([None, *_REFS])
+            seq = Sequence(f"s{step}", [5] * rnd.randint(1, 20), params, adapter, next(arrivals))
             live.append(seq)
             sched.add(seq)
         plan = sched.schedule()
         for c in plan.chunks:
             c.seq.num_computed += c.num_tokens
-        stats = StepStats.of(plan, 0, 0, sched, pool)
+        row_slots = [BASE_SLOT if c.seq.adapter is None else _REFS.index(c.seq.adapter) for c in plan.chunks]
+        stats = StepStats.of(plan, StepSlots(row_slots, {}, []), 0, 0, sched, pool)
         decode = sum(c.num_tokens for c in plan.chunks if c.is_decode)
         rows = sum(c.num_tokens for c in plan.chunks)
         assert stats.num_rows == rows and stats.num_decode_rows == decode
         assert stats.num_prefill_rows == rows - decode
-        assert stats.num_base_rows == sum(c.num_tokens for c in plan.chunks if c.seq.slot == BASE_SLOT)
+        assert stats.num_base_rows == sum(c.num_tokens for c in plan.chunks if c.seq.adapter is None)
         assert stats.rows_per_request == {c.seq.request_id: c.num_tokens for c in plan.chunks}
         log.append(
             (
@@ -261,7 +266,7 @@ def test_scheduler_plans_equal_the_reference_algorithm(seed: int) -> None:
 def test_decode_chunks_are_made_once_per_sequence() -> None:
     pool = BlockPool(8)
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16), pool, 4)
-    seq = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=9), None, BASE_SLOT, 0)
+    seq = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=9), None, 0)
     sched.add(seq)
     first = sched.schedule().chunks[0]
     assert not first.is_decode and first.num_tokens == 3
@@ -281,7 +286,7 @@ def test_decode_chunks_are_made_once_per_sequence() -> None:
 
 
 def test_tokens_between_matches_token_at() -> None:
-    seq = Sequence("r", list(range(100, 107)), SamplingParams(), None, BASE_SLOT, 0)
+    seq = Sequence("r", list(range(100, 107)), SamplingParams(), None, 0)
     seq.output_token_ids = [7, 8, 9]
     for start, end in itertools.combinations(range(seq.num_tokens + 1), 2):
         assert seq.tokens_between(start, end) == [seq.token_at(p) for p in range(start, end)]

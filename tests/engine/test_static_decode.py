@@ -32,7 +32,17 @@ def _llms(tmp_path: Path, max_batch: int, overlap: int = 0) -> tuple[LLM, LLM]:
         for name, path in paths.items():
             llm.register_adapter(name, path)
     e = llms[1].engine
-    e.runner.static_decode = StaticDecodeRunner.for_engine(e, max_batch, capture=False, lora_overlap=overlap)
+    e.runner.static_decode = StaticDecodeRunner(
+        e.model,
+        e.kv,
+        e.lora_table,
+        e.lora_backend,
+        e.device,
+        max_batch,
+        e.max_model_len,
+        capture=False,
+        lora_overlap=overlap,
+    )
     return llms
 
 
@@ -123,7 +133,8 @@ def test_graphs_of_a_bucket_share_one_logits_buffer(tmp_path: Path) -> None:
         e.add_request(f"q{i}", [5, 6, 7 + i], params, name)
         e.step()  # the prefill
         plan = e.scheduler.schedule()
-        outputs.append(runner.run(plan)[0])
-        e._postprocess(plan, e.runner._run_eager(plan, None))
+        slots = e.slot_map(plan)
+        outputs.append(runner.run(plan, slots)[0])
+        e._postprocess(plan, e.runner._run_eager(plan, slots, None))
     assert len(runner._graphs) >= 2 and len({k.batch for k in runner._graphs}) == 1
     assert len({t.data_ptr() for t in outputs}) == 1

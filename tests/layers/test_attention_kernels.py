@@ -20,12 +20,8 @@ import torch
 from helpers.sm90 import can_compile_sm90, run_compile_script
 from helpers.triton_interp import needs_interp
 
-from loraplex.layers.attention import (
-    AttentionMetadata,
-    attention_backend,
-    paged_attention,
-    paged_attention_torch,
-)
+from loraplex.layers.attention import paged_attention, paged_attention_torch
+from loraplex.layers.attention_metadata import AttentionMetadata, attention_backend
 
 
 @dataclass

@@ -249,7 +249,7 @@ def test_gpu_model_with_and_without_fused_ops(arch: str, tmp_path, monkeypatch) 
     from helpers.tiny_models import build_hf_model, save_hf_model
 
     from loraplex.layers import fused
-    from loraplex.layers.attention import AttentionMetadata
+    from loraplex.layers.attention_metadata import AttentionMetadata
     from loraplex.model.loader import load_model
 
     path = save_hf_model(build_hf_model(arch, seed=5), tmp_path / "m")

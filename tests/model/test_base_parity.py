@@ -34,7 +34,7 @@ def test_hidden_states_match_transformers(arch_model: tuple) -> None:
     engine.add_request("h", prompt, SamplingParams(max_tokens=1))
     plan = engine.scheduler.schedule()
     capture: dict[int, torch.Tensor] = {}
-    engine.runner.run(plan, hidden_capture=capture)
+    engine.runner.run(plan, engine.slot_map(plan), hidden_capture=capture)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     assert len(capture) == len(ref)
@@ -109,5 +109,5 @@ def test_half_precision_runs_close_to_float32(arch_model: tuple, dtype: str) -> 
 
 
 def test_unused_sequence_fields_default() -> None:
-    seq = Sequence("x", [1, 2, 3], SamplingParams(), None, -1, 0)
+    seq = Sequence("x", [1, 2, 3], SamplingParams(), None, 0)
     assert seq.num_tokens == 3 and seq.token_at(2) == 3 and seq.num_uncomputed == 3

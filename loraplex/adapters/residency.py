@@ -1,0 +1,168 @@
+"""Where each adapter revision's weights are: revision -> device slot, and nothing else.
+
+The only code that writes weights into the LoRA slot table or frees a slot. Identity (names,
+revisions, request holds) is the registry's; this module knows revisions only.
+
+- A revision is *resident* (its weights sit in a slot) or *pending* (known, not loaded). Today
+  every registered revision is loaded at registration; `ensure` is where loading on demand goes
+  once there are tiers to load from.
+- A registry **hold** lasts from a request's admission to its finish. A slot **pin** lasts one
+  step: `step_slots` pins the slots of the sequences scheduled in the step and `end_step`
+  unpins them. Only a pinned slot is protected here, so queued requests cost no slot; the caller
+  must not evict a revision some live request holds (eviction with reload is a later layer).
+- Freed slots are reused. Each slot carries a generation, bumped whenever its content changes,
+  and each step's `StepSlots` records the generations it was built with, so per-step data that
+  names a stale slot is detected (`check`) instead of silently reading another adapter.
+- Per-slot facts (ranks per (layer, target), groups covered, bytes) are computed once, at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from loraplex.lora.metadata import BASE_SLOT
+from loraplex.lora.weights import AdapterWeights, LoRASlotTable
+
+
+class Residency(Enum):
+    PENDING = "pending"
+    RESIDENT = "resident"
+
+
+@dataclass(frozen=True)
+class SlotFacts:
+    slot: int
+    generation: int
+    ranks: dict[tuple[int, str], int]  # (layer, target) -> rank
+    groups: frozenset[tuple[int, str]]  # (layer, group) pairs with at least one adapted slice
+    max_rank: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StepSlots:
+    """One step's slot map: the slot of each chunk of the plan (BASE_SLOT for base rows)."""
+
+    slots: list[int]
+    generations: dict[int, int]  # slot -> its generation when the map was built
+    distinct: list[int]  # adapter slots in order of first appearance
+
+
+class SlotInUseError(RuntimeError):
+    """An eviction asked for a slot that the running step has pinned (an engine bug)."""
+
+
+class StaleSlotError(RuntimeError):
+    """Per-step data names a slot whose content changed after the data was built."""
+
+
+class AdapterResidency:
+    def __init__(self, table: LoRASlotTable, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.table = table
+        self.dtype = dtype
+        self.device = device
+        self._slot_of: dict[str, int] = {}  # revision -> slot, resident revisions only
+        self._facts: dict[int, SlotFacts] = {}  # slot -> facts of its current content
+        self._generation: dict[int, int] = {}  # slot -> generation, kept after a slot is freed
+        self._free: list[int] = []  # freed slots, reused lowest first
+        self._next_slot = 0
+        self._pinned: frozenset[int] = frozenset()
+
+    # --- loading and freeing --------------------------------------------------------------------
+
+    def load(self, revision: str, weights: AdapterWeights) -> SlotFacts:
+        """Make `revision` resident (a no-op when it is). Identical content registered under two
+        names is one revision, so it takes one slot."""
+        slot = self._slot_of.get(revision)
+        if slot is not None:
+            return self._facts[slot]
+        on_device = weights.to(self.device, self.dtype)  # before any bookkeeping: a failure changes nothing
+        slot = self._take_slot()
+        generation = self._generation.get(slot, -1) + 1
+        self.table.set(slot, on_device)
+        ranks = {key: pair.rank for key, pair in on_device.pairs.items()}
+        facts = SlotFacts(
+            slot, generation, ranks, on_device.groups, max(ranks.values(), default=0), on_device.nbytes
+        )
+        self._generation[slot] = generation
+        self._facts[slot] = facts
+        self._slot_of[revision] = slot
+        return facts
+
+    def evict(self, revision: str) -> None:
+        """Free `revision`'s slot for reuse. Refused while the running step has it pinned."""
+        slot = self._slot_of.get(revision)
+        if slot is None:
+            return
+        if slot in self._pinned:
+            raise SlotInUseError(f"slot {slot} of revision {revision[:12]} is pinned by the running step")
+        del self._slot_of[revision]
+        del self._facts[slot]
+        self._generation[slot] += 1
+        self.table.clear(slot)
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        slot = self._next_slot
+        self._next_slot += 1
+        return slot
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def state(self, revision: str) -> Residency:
+        return Residency.RESIDENT if revision in self._slot_of else Residency.PENDING
+
+    def ensure(self, revision: str) -> Residency:
+        """Start making `revision` resident; returns its state now. Every registered revision is
+        loaded at registration today, so a pending one has no source to load from yet."""
+        state = self.state(revision)
+        if state is Residency.PENDING:
+            raise LookupError(f"revision {revision[:12]} is not resident and has no source to load from")
+        return state
+
+    def facts(self, revision: str) -> SlotFacts:
+        return self._facts[self._slot_of[revision]]
+
+    def slot_facts(self, slot: int) -> SlotFacts:
+        return self._facts[slot]
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(f.nbytes for f in self._facts.values())
+
+    # --- per step ---------------------------------------------------------------------------------
+
+    def step_slots(self, revisions: list[str | None]) -> StepSlots:
+        """The slot of each scheduled sequence's revision (None: base), pinned until `end_step`."""
+        slot_of = self._slot_of
+        slots = [BASE_SLOT if r is None else slot_of[r] for r in revisions]
+        distinct = list(dict.fromkeys(s for s in slots if s != BASE_SLOT))
+        self._pinned = frozenset(distinct)
+        generation = self._generation
+        return StepSlots(slots, {s: generation[s] for s in distinct}, distinct)
+
+    def check(self, step: StepSlots) -> None:
+        """Raise StaleSlotError if a slot of `step` changed content after the map was built."""
+        for slot, generation in step.generations.items():
+            if self._generation.get(slot) != generation or slot not in self._facts:
+                raise StaleSlotError(
+                    f"slot {slot} is at generation {self._generation.get(slot)}, the step was planned "
+                    f"with {generation}"
+                )
+
+    def end_step(self) -> None:
+        self._pinned = frozenset()
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        return self._pinned

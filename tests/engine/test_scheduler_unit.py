@@ -1,0 +1,321 @@
+"""The scheduler on its own: plans over sequences and block ids, no model and no tensors.
+
+`Stepper` stands in for the engine between plans: it adds each chunk's rows to the sequence's
+computed count and, when the chunk completes the sequence's known tokens, appends a token and
+finishes the request at `max_tokens`. After every plan it checks the bookkeeping the engine
+relies on (docs/architecture.md, "KV accounting"). `ScheduledChunk.completes` reads the live
+sequence, so it only means something before the step is applied: `Stepper.sampled` keeps it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from loraplex.config import SchedulerConfig
+from loraplex.engine.scheduler import Scheduler, StepPlan
+from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.kv.block_pool import BlockPool
+from loraplex.types import SamplingParams
+
+BS = 4  # block size
+
+
+def blocks(tokens: int) -> int:
+    return -(-tokens // BS)
+
+
+class Stepper:
+    def __init__(self, num_blocks: int, budget: int = 2048, max_num_seqs: int = 64) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+        self.sched = Scheduler(self.config, self.pool, BS)
+        self._arrivals = itertools.count()
+        self.seqs: list[Sequence] = []
+        self.sampled: list[str] = []  # request ids whose chunk completed in the last step
+
+    def make(self, rid: str, prompt_len: int, max_tokens: int = 16, arrival: int | None = None) -> Sequence:
+        return Sequence(
+            request_id=rid,
+            prompt_token_ids=list(range(1, prompt_len + 1)),
+            params=SamplingParams(max_tokens=max_tokens),
+            adapter=None,
+            arrival=next(self._arrivals) if arrival is None else arrival,
+        )
+
+    def add(self, rid: str, prompt_len: int, max_tokens: int = 16) -> Sequence:
+        seq = self.make(rid, prompt_len, max_tokens)
+        self.sched.add(seq)
+        self.seqs.append(seq)
+        return seq
+
+    def step(self) -> StepPlan:
+        plan = self.sched.schedule()
+        self._check_plan(plan)
+        completing = [c.seq for c in plan.chunks if c.completes]
+        self.sampled = [s.request_id for s in completing]
+        for chunk in plan.chunks:
+            chunk.seq.num_computed += chunk.num_tokens
+        for seq in completing:
+            seq.output_token_ids.append(1000 + len(seq.output_token_ids))
+            if len(seq.output_token_ids) == seq.params.max_tokens:
+                self.sched.finish(seq)
+        self.check()
+        return plan
+
+    def _check_plan(self, plan: StepPlan) -> None:
+        seqs = [c.seq for c in plan.chunks]
+        assert len(set(map(id, seqs))) == len(seqs), "a sequence planned twice in one step"
+        assert plan.num_rows <= self.config.max_num_batched_tokens
+        assert seqs == [s for s in self.sched.running if s in seqs], "chunks not in running order"
+        assert len(self.sched.running) <= self.config.max_num_seqs
+        for c in plan.chunks:
+            assert c.seq.status is SequenceStatus.RUNNING
+            assert 1 <= c.num_tokens <= c.seq.num_uncomputed
+            # the blocks for this step's rows are already there, and no more
+            assert len(c.seq.block_ids) == blocks(c.seq.num_computed + c.num_tokens)
+            one_new_row = c.num_tokens == c.seq.num_uncomputed == 1 and bool(c.seq.output_token_ids)
+            assert c.is_decode == one_new_row
+
+    def check(self) -> None:
+        self.pool.check_integrity()
+        running, waiting = self.sched.running, self.sched.waiting
+        owned = [b for s in running for b in s.block_ids]
+        assert len(owned) == len(set(owned)) == self.pool.num_used, "KV blocks leaked or shared"
+        for s in running:
+            assert s.status is SequenceStatus.RUNNING
+            assert len(s.block_ids) == blocks(s.num_computed)
+        for s in waiting:
+            assert s.status is SequenceStatus.WAITING
+            assert s.block_ids == [] and s.num_computed == 0
+        arrivals = [s.arrival for s in running] + [s.arrival for s in waiting]
+        assert arrivals == sorted(arrivals), "running, then waiting, each in arrival order"
+
+
+def rows(plan: StepPlan) -> list[tuple[str, int]]:
+    return [(c.seq.request_id, c.num_tokens) for c in plan.chunks]
+
+
+# --- order and budget ---------------------------------------------------------------------------
+
+
+def test_waiting_sequences_are_admitted_in_arrival_order() -> None:
+    st = Stepper(num_blocks=16)
+    for rid, prompt_len, arrival in (("late", 3, 7), ("early", 2, 1), ("mid", 1, 4)):
+        st.sched.add(st.make(rid, prompt_len, arrival=arrival))
+    assert [s.request_id for s in st.sched.waiting] == ["early", "mid", "late"]
+    assert rows(st.step()) == [("early", 2), ("mid", 1), ("late", 3)]
+
+
+def test_token_budget_caps_a_step_and_chunks_the_last_prompt() -> None:
+    st = Stepper(num_blocks=16, budget=10)
+    a, b, c = st.add("a", 4), st.add("b", 4), st.add("c", 4)
+    plan = st.step()
+    assert rows(plan) == [("a", 4), ("b", 4), ("c", 2)]
+    assert st.sampled == ["a", "b"]
+    assert (len(a.output_token_ids), len(b.output_token_ids), len(c.output_token_ids)) == (1, 1, 0)
+    plan = st.step()
+    assert rows(plan) == [("a", 1), ("b", 1), ("c", 2)]
+    assert [ch.is_decode for ch in plan.chunks] == [True, True, False]
+    assert st.sampled == ["a", "b", "c"] and len(c.output_token_ids) == 1
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_across_steps() -> None:
+    st = Stepper(num_blocks=16, budget=8)
+    seq = st.add("long", 20, max_tokens=3)
+    seen = []
+    for _ in range(3):
+        plan = st.step()
+        (chunk,) = plan.chunks
+        seen.append((chunk.num_tokens, st.sampled == ["long"], chunk.is_decode, len(seq.block_ids)))
+    # blocks grow with each chunk, not all at admission
+    assert seen == [(8, False, False, 2), (8, False, False, 4), (4, True, False, 5)]
+    assert seq.num_computed == 20 and len(seq.output_token_ids) == 1
+    first = st.step().chunks[0]
+    assert (first.num_tokens, first.is_decode, st.sampled) == (1, True, ["long"])
+    assert st.step().chunks[0] is first  # a decoding sequence's chunk is made once
+    assert seq.is_finished and st.pool.num_used == 0
+
+
+def test_decode_rows_and_a_prefill_chunk_share_a_step() -> None:
+    st = Stepper(num_blocks=16, budget=6)
+    st.add("a", 3)
+    st.step()
+    st.add("b", 10)
+    plan = st.step()
+    assert rows(plan) == [("a", 1), ("b", 5)]
+    assert [c.is_decode for c in plan.chunks] == [True, False]
+    plan = st.step()
+    assert rows(plan) == [("a", 1), ("b", 5)] and st.sampled == ["a", "b"]
+    assert rows(st.step()) == [("a", 1), ("b", 1)]
+
+
+def test_waiting_sequences_get_only_the_budget_running_ones_leave() -> None:
+    st = Stepper(num_blocks=16, budget=2)
+    st.add("a", 1)
+    st.add("b", 1)
+    st.step()
+    st.add("c", 1)
+    plan = st.step()
+    assert rows(plan) == [("a", 1), ("b", 1)]  # the budget is gone: c waits
+    assert st.sched.waiting[0].request_id == "c"
+    st.sched.finish(st.seqs[0])
+    assert rows(st.step()) == [("b", 1), ("c", 1)]
+
+
+def test_max_num_seqs_limits_running_sequences_not_the_budget() -> None:
+    st = Stepper(num_blocks=16, max_num_seqs=2)
+    a = st.add("a", 2, max_tokens=2)
+    st.add("b", 2)
+    c = st.add("c", 2)
+    assert rows(st.step()) == [("a", 2), ("b", 2)]
+    assert c.status is SequenceStatus.WAITING
+    assert rows(st.step()) == [("a", 1), ("b", 1)]  # a finishes after this step
+    assert a.is_finished
+    assert rows(st.step()) == [("b", 1), ("c", 2)]
+
+
+# --- KV blocks ----------------------------------------------------------------------------------
+
+
+def test_decode_allocates_a_block_only_when_crossing_a_boundary() -> None:
+    st = Stepper(num_blocks=16)
+    seq = st.add("a", 3, max_tokens=7)
+    counts = []
+    while not seq.is_finished:
+        st.step()
+        counts.append((seq.num_computed, len(seq.block_ids)))
+    assert counts[:-1] == [(3, 1), (4, 1), (5, 2), (6, 2), (7, 2), (8, 2)]
+    assert st.pool.num_used == 0  # finishing freed them
+
+
+def test_admission_with_exactly_enough_blocks_and_with_one_short() -> None:
+    st = Stepper(num_blocks=4)
+    st.add("a", 3)
+    st.step()  # a holds 1 block, which also takes its next row; 3 free
+    b = st.add("b", 12)  # 3 blocks: exactly what is free
+    assert rows(st.step()) == [("a", 1), ("b", 12)]
+    assert st.pool.num_free == 0 and len(b.block_ids) == 3
+
+    st = Stepper(num_blocks=4)
+    st.add("a", 3)
+    st.step()
+    b = st.add("b", 13)  # 4 blocks, one more than is free
+    c = st.add("c", 1)
+    assert rows(st.step()) == [("a", 1)]
+    # strict FCFS: c would fit, but waits behind b
+    assert b.status is c.status is SequenceStatus.WAITING
+    assert st.pool.num_free == 3  # nothing was allocated
+
+
+def test_admission_needs_blocks_only_for_the_first_chunk() -> None:
+    st = Stepper(num_blocks=3, budget=5)
+    st.add("a", 3)
+    st.step()
+    b = st.add("b", 12)  # 3 blocks in all, 2 free: its first chunk (4 rows) needs 1
+    assert rows(st.step()) == [("a", 1), ("b", 4)]
+    assert len(b.block_ids) == 1 and st.pool.num_free == 1
+
+
+def test_the_latest_arrival_is_preempted_when_blocks_run_out() -> None:
+    st = Stepper(num_blocks=2)
+    a = st.add("a", 4, max_tokens=3)
+    b = st.add("b", 4, max_tokens=2)
+    st.step()  # each prefilled 4 tokens into its 1 block and sampled a token
+    b_block = list(b.block_ids)
+    plan = st.step()  # a's decode row (position 4) needs a second block; none is free
+    assert plan.preempted == ("b",)
+    assert rows(plan) == [("a", 1)]
+    assert b.status is SequenceStatus.WAITING and b.block_ids == [] and b.num_computed == 0
+    assert b.num_preemptions == 1 and b.output_token_ids == [1000]  # its token survives
+    assert a.block_ids[1:] == b_block  # a got the block b freed
+    st.step()  # a finishes, freeing both blocks
+    assert a.is_finished and st.pool.num_free == 2
+    plan = st.step()
+    # b is recomputed from position 0: its prompt and its generated token, then samples anew
+    assert rows(plan) == [("b", 5)] and not plan.chunks[0].is_decode and st.sampled == ["b"]
+    assert b.output_token_ids == [1000, 1001] and b.is_finished and st.pool.num_used == 0
+
+
+def test_a_sequence_that_is_itself_the_latest_preempts_itself() -> None:
+    st = Stepper(num_blocks=2)
+    a = st.add("a", 3)
+    b = st.add("b", 4)
+    st.step()
+    plan = st.step()  # a's position 3 fits its block; b's position 4 needs one more
+    assert plan.preempted == ("b",) and rows(plan) == [("a", 1)]
+    assert b.status is SequenceStatus.WAITING and st.pool.num_free == 1
+    assert a.status is SequenceStatus.RUNNING
+
+
+def test_recompute_after_preemption_is_chunked_by_the_budget() -> None:
+    st = Stepper(num_blocks=2, budget=3)
+    a = st.add("a", 1, max_tokens=5)
+    b = st.add("b", 1, max_tokens=5)
+    for _ in range(4):
+        assert rows(st.step()) == [("a", 1), ("b", 1)]
+    plan = st.step()  # a's position 4 needs a second block: b goes, with 4 generated tokens
+    assert plan.preempted == ("b",) and rows(plan) == [("a", 1)] and a.is_finished
+    assert b.num_tokens == 5 and b.num_computed == 0
+    assert rows(st.step()) == [("b", 3)] and st.sampled == []
+    assert rows(st.step()) == [("b", 2)] and st.sampled == ["b"]
+    assert b.is_finished and len(b.output_token_ids) == 5 and st.pool.num_used == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the waiting pass runs after a preemption and can re-admit the sequence just preempted: "
+    "it recomputes a budget-sized prefix it loses again at its next block boundary",
+)
+def test_a_sequence_preempted_in_a_step_is_not_planned_in_that_step() -> None:
+    st = Stepper(num_blocks=3, budget=4)
+    st.add("a", 4, max_tokens=5)
+    st.add("b", 3, max_tokens=9)
+    for _ in range(3):
+        st.step()
+    plan = st.step()  # b's position 4 needs a block; none is free and b is the latest
+    assert plan.preempted == ("b",)
+    assert rows(plan) == [("a", 1)]
+
+
+def test_finish_frees_blocks_of_running_and_forgets_waiting() -> None:
+    st = Stepper(num_blocks=8, max_num_seqs=1)
+    a = st.add("a", 9)
+    b = st.add("b", 2)
+    st.step()
+    assert len(a.block_ids) == 3 and st.pool.num_used == 3
+    st.sched.finish(a)
+    assert a.is_finished and a.block_ids == [] and st.pool.num_used == 0 and a not in st.sched.running
+    st.sched.finish(b)  # aborted before it ever ran
+    assert b.is_finished and not st.sched.has_work()
+    assert st.step().chunks == ()
+    st.check()
+
+
+def test_random_workloads_keep_the_bookkeeping_and_finish() -> None:
+    rnd = random.Random(15)
+    preemptions = 0
+    for trial in range(30):
+        st = Stepper(
+            num_blocks=rnd.randint(6, 16),
+            budget=rnd.choice([3, 5, 8, 16, 64]),
+            max_num_seqs=rnd.randint(1, 6),
+        )
+        todo = [(f"r{trial}.{i}", rnd.randint(1, 12), rnd.randint(1, 10)) for i in range(rnd.randint(1, 8))]
+        # every request fits the pool on its own (the engine refuses the others at add_request)
+        todo = [(rid, p, min(m, st.pool.num_blocks * BS - p)) for rid, p, m in todo]
+        added = []
+        steps = 0
+        while todo or st.sched.has_work():
+            if todo and rnd.random() < 0.5:
+                added.append(st.add(*todo.pop(0)))
+            st.step()
+            steps += 1
+            assert steps < 2000, "no progress"
+        for seq in added:
+            assert seq.is_finished and len(seq.output_token_ids) == seq.params.max_tokens
+            preemptions += seq.num_preemptions
+        assert st.pool.num_used == 0
+    assert preemptions > 0  # the workloads did exercise preemption
