@@ -6,13 +6,11 @@
 # only a few files), they are also packed into $OUT/engine-gpu-check.tgz, and the short summary,
 # printed last, is copied to $OUT/summary.txt. Each part is time-boxed so a
 # hung kernel cannot eat the call (about 6-7 minutes on an H200 in all).
-# KERNEL_VARIANTS="decode fused w4,decode w2e" also sweeps those tiling variants (with the
-# GEMM + LoRA table for them); bench engine args such as --also "in-place;decode w2e" follow.
-# NCU="<tiling variant>" adds an Nsight Compute pass over the decode target layer (ncu-short.txt);
-# TIMELINE="<variant>,<variant>" a profiler timeline of the decode layers' launches (timeline.txt).
-#   usage: [SKIP_TESTS=1] [SKIP_ENGINE=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] [KERNEL_VARIANTS=...] \
-#          [NCU=...] [TIMELINE=...] \
-#          scripts/engine_gpu_check.sh [bench engine args]
+# Bench engine args such as --also "in-place" follow. NCU=1 adds an Nsight Compute pass over the
+# decode target layer (ncu-short.txt); TIMELINE=1 a profiler timeline of the decode layers'
+# launches (timeline.txt).
+#   usage: [SKIP_TESTS=1] [SKIP_ENGINE=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] \
+#          [NCU=1] [TIMELINE=1] scripts/engine_gpu_check.sh [bench engine args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PACK_TO=${OUT:-}
@@ -36,23 +34,22 @@ fi
 touch "$OUT/bench-engine.log"
 t2=$(date +%s)
 if [ -z "${SKIP_KERNELS:-}" ]; then
-  if [ -n "${KERNEL_VARIANTS:-}" ]; then sweep=(--variants "decode,$KERNEL_VARIANTS"); else sweep=(--no-sweep); fi
-  timeout "${KERNELS_TIMEOUT:-120}" $PY -m loraplex.bench.cli kernels --quick "${sweep[@]}" --out "$OUT/kernels" \
+  timeout "${KERNELS_TIMEOUT:-120}" $PY -m loraplex.bench.cli kernels --quick --no-sweep --out "$OUT/kernels" \
     2>&1 | tee "$OUT/bench-kernels.log"
 fi
 touch "$OUT/bench-kernels.log"
 if [ -n "${TIMELINE:-}" ]; then
-  # TIMELINE="decode,decode w2e" (tiling variants): when each launch of the decode layers starts
-  # and ends inside a graph replay (profiler trace), a table per variant and case
-  PYTHONPATH=. timeout "${TIMELINE_TIMEOUT:-120}" $PY scripts/lora_timeline.py --variants "$TIMELINE" \
+  # when each launch of the decode layers starts and ends inside a graph replay (profiler trace),
+  # a table per case
+  PYTHONPATH=. timeout "${TIMELINE_TIMEOUT:-120}" $PY scripts/lora_timeline.py \
     --cases "${TIMELINE_CASES:-target,m1}" --out "$OUT/timeline.json" > "$OUT/timeline.txt" 2>&1
 fi
 if [ -n "${NCU:-}" ]; then
-  # NCU="decode" (a tiling variant): Nsight Compute on the decode target layer's launches, each
-  # kernel alone (clocks left alone, as the device notes ask); a short per-kernel table
+  # Nsight Compute on the decode target layer's launches, each kernel alone (clocks left alone,
+  # as the device notes ask); a short per-kernel table
   PYTHONPATH=. timeout "${NCU_TIMEOUT:-120}" ncu --clock-control none --kernel-name regex:lora_ \
     --launch-skip 16 --launch-count 8 --section SpeedOfLight --section Occupancy --section LaunchStats \
-    $PY scripts/ncu_lora_decode.py "$NCU" > "$OUT/ncu.txt" 2>&1
+    $PY scripts/ncu_lora_decode.py > "$OUT/ncu.txt" 2>&1
   grep -E "lora_|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Grid Size" "$OUT/ncu.txt" \
     > "$OUT/ncu-short.txt"
 fi
@@ -65,8 +62,8 @@ t3=$(date +%s)
   grep -E '(floor|step|/ base|bandwidth)' "$OUT/bench-engine.log"
   echo "bench kernels ($((t3 - t2)) s):"
   grep -E '^(PASS|FAIL)|copy bandwidth|graph replay of|^  (tiling|gemm\+lora|layers) ' "$OUT/bench-kernels.log"
-  if [ -s "$OUT/timeline.txt" ]; then echo "timeline ($TIMELINE):"; cat "$OUT/timeline.txt"; fi
-  if [ -s "$OUT/ncu-short.txt" ]; then echo "ncu ($NCU):"; cat "$OUT/ncu-short.txt"; fi
+  if [ -s "$OUT/timeline.txt" ]; then echo "timeline:"; cat "$OUT/timeline.txt"; fi
+  if [ -s "$OUT/ncu-short.txt" ]; then echo "ncu:"; cat "$OUT/ncu-short.txt"; fi
 } | tee "$OUT/summary.txt"
 if [ -n "$PACK_TO" ] && [ "$PACK_TO" != "$OUT" ]; then
   tar czf "$PACK_TO/engine-gpu-check.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$PACK_TO/summary.txt"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install loraplex into it. `scripts/install.sh test` adds the test extra
-# (pinned reference versions of transformers + PEFT, pytest, ruff).
+# (pinned reference versions of transformers + PEFT, pytest, ruff, mypy).
 #
 # Three steps: the venv (created if missing, its pip upgraded), torch, loraplex; torch and loraplex
 # are skipped when already installed, and with nothing to install at all the script prints one line

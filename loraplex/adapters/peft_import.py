@@ -232,7 +232,7 @@ def _load_pair(f: Any, a_key: str, b_key: str, scale: float) -> LoRAPair:
 
 def _load_float32(f: Any, key: str) -> torch.Tensor:
     # Own the storage: the result must not alias a memory map of a file that can change later.
-    tensor = f.get_tensor(key).to(torch.float32).clone(memory_format=torch.contiguous_format)
+    tensor: torch.Tensor = f.get_tensor(key).to(torch.float32).clone(memory_format=torch.contiguous_format)
     if not torch.isfinite(tensor).all():
         raise AdapterImportError(f"tensor {key!r} contains NaN or Inf values (in float32)")
     return tensor

@@ -11,6 +11,7 @@ running request's weights.
 
 from __future__ import annotations
 
+import builtins
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ class AdapterRegistry:
     def list(self) -> list[RegisteredRevision]:
         return [entry for revs in self._revisions.values() for entry in revs.values()]
 
-    def list_latest(self) -> list[RegisteredRevision]:
+    def list_latest(self) -> builtins.list[RegisteredRevision]:
         """The latest revision of every name, in registration order of the names."""
         return [self._revisions[name][rev] for name, rev in self._latest.items()]
 
@@ -117,7 +118,7 @@ class AdapterRegistry:
     def holds(self, ref: AdapterRef) -> int:
         return self._holds.get(ref, 0)
 
-    def held_revisions(self) -> set[str]:
+    def held_revisions(self) -> builtins.set[str]:
         """Revisions some live request holds (residency must keep them loadable)."""
         return {ref.revision for ref in self._holds}
 

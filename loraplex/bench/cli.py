@@ -14,15 +14,7 @@ DEFAULT_ENGINE_OUT = Path("bench-results/engine")
 def _kernels(args: argparse.Namespace) -> int:
     from loraplex.bench.kernels import run  # lazy: torch.cuda work and triton only when asked
 
-    variants = set(args.variants.split(",")) if args.variants else None
-    report = run(
-        args.out,
-        quick=args.quick,
-        reps=args.reps,
-        warmup=args.warmup,
-        sweep=not args.no_sweep,
-        variants=variants,
-    )
+    report = run(args.out, quick=args.quick, reps=args.reps, warmup=args.warmup, sweep=not args.no_sweep)
     for t in report["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['name']}: {t['value']:.3f} ({t['threshold']})")
     print(f"wrote {args.out}/kernels.json, kernels.md, kernels.png")
@@ -43,7 +35,6 @@ def _engine(args: argparse.Namespace) -> int:
         steps=args.steps,
         profile=args.profile or None,
         graphs=False if args.no_graphs else None,
-        lora_tiling=args.lora_tiling,
         lora_overlap=args.lora_overlap,
         repeats=args.repeats,
         also=tuple(v for v in (args.also or "").split(";") if v.strip()) or None,
@@ -55,6 +46,47 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from dataclasses import fields, replace
+
+    from loraplex.bench.serve import ServeBenchArgs, run
+    from loraplex.bench.workloads import WorkloadSpec
+
+    given = {f.name: getattr(args, f.name) for f in fields(WorkloadSpec) if getattr(args, f.name) is not None}
+    try:
+        if args.smoke:
+            bench = ServeBenchArgs.smoke_args()
+            bench = replace(bench, workload=replace(bench.workload, **given))
+        else:
+            bench = ServeBenchArgs(workload=WorkloadSpec(**given))
+        overrides = {
+            "device": args.device,
+            "model": args.model,
+            "random_layers": args.random_layers,
+            "max_num_seqs": args.max_num_seqs,
+            "url": args.url,
+            "api_key": args.api_key,
+        }
+        bench = replace(bench, **{k: v for k, v in overrides.items() if v is not None})
+        if args.no_base_compare:
+            bench = replace(bench, base_compare=False)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    report = run(bench, args.out, progress=not args.quiet)
+    for name in ("adapters", "base_only"):
+        if name in report:
+            r = report[name]
+            lat = r["latency"]
+            print(
+                f"{name:9s} output tok/s {r['output_tokens_per_s']:9.1f}  req/s {r['requests_per_s']:7.2f}  "
+                f"TTFT p50/p99 {lat['ttft_s']['p50'] * 1e3:.1f}/{lat['ttft_s']['p99'] * 1e3:.1f} ms"
+            )
+    if "ratios" in report:
+        print(f"with adapters / base-only: {report['ratios']['output_tokens_per_s_vs_base']:.3f}")
+    print(f"wrote {args.out}/serve.json, serve.md, serve.png")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks (writes JSON + markdown + PNG)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -63,8 +95,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--quick", action="store_true", help="only the three target cases")
     k.add_argument("--reps", type=int, default=40, help="timed runs per measurement (median)")
     k.add_argument("--warmup", type=int, default=5)
-    k.add_argument("--no-sweep", action="store_true", help="skip the tiling comparison")
-    k.add_argument("--variants", help="comma-separated tiling variants to sweep (default: all)")
+    k.add_argument(
+        "--no-sweep", action="store_true", help="skip the tiling table and the multi-layer graph timing"
+    )
     k.set_defaults(run=_kernels)  # the main CLI dispatches on `args.run`
     e = sub.add_parser("engine", help="decode step of the whole engine vs its bandwidth floor")
     e.add_argument("--device", default="cuda", help="cuda or cpu")
@@ -79,9 +112,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--profile", action="store_true", help="write torch.profiler tables of a few steps")
     e.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     e.add_argument(
-        "--lora-tiling", help="LoRA kernel tiling variant (see `bench kernels`; default: per step)"
-    )
-    e.add_argument(
         "--lora-overlap",
         type=int,
         choices=(0, 1, 2),
@@ -89,12 +119,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     e.add_argument(
         "--also",
-        help="more LoRA configurations timed in every repeat, ';'-separated: a mode ('in-place', "
-        "'overlap', 'concurrent'), a tiling variant, or one of each joined by '+' "
-        "(e.g. 'in-place;decode fused w4;in-place+decode fused w4')",
+        help="more LoRA scheduling modes timed in every repeat, ';'-separated: 'in-place', 'overlap', "
+        "'concurrent' (e.g. 'in-place;overlap')",
     )
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)
+    s = sub.add_parser(
+        "serve",
+        help="a serving workload against the engine in-process or a server over HTTP (TTFT, TPOT, P99)",
+        description="Workload fields (seed, lengths, arrivals, ...) follow bench/workloads.py's syntax.",
+    )
+    s.add_argument("--smoke", action="store_true", help="the CPU demo model and a small workload (< 1 min)")
+    s.add_argument("--url", help="benchmark a running server (streaming /v1/completions) instead")
+    s.add_argument("--api-key", help="bearer token for --url")
+    s.add_argument("--device", help="cpu or cuda (in-process)")
+    s.add_argument("--model", help="model directory (default: the demo model, or --random-layers)")
+    s.add_argument("--random-layers", type=int, help="random Llama-3-8B-shaped weights with N layers")
+    s.add_argument("--max-num-seqs", type=int, help="engine batch limit (default 64)")
+    s.add_argument("--no-base-compare", action="store_true", help="skip the same workload base-only")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    for name, kind, text in (
+        ("seed", int, "workload seed"),
+        ("num_requests", int, "requests"),
+        ("num_adapters", int, "distinct adapters"),
+        ("popularity", str, "identical | distinct | uniform | zipf:A | skewed"),
+        ("base_share", float, "share of base-only requests"),
+        ("ranks", str, "16 | 8,16,32 | 8:0.5,16:0.5"),
+        ("prompt_len", str, "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX"),
+        ("output_len", str, "as --prompt-len"),
+        ("arrivals", str, "closed:C | poisson:RATE | gamma:RATE:CV"),
+        ("tenants", str, "NAME:WEIGHT,..."),
+        ("conversations", str, "JSONL file of real prompts"),
+    ):
+        s.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+    s.add_argument("--out", type=Path, default=Path("bench-results/serve"), help="output directory")
+    s.set_defaults(run=_serve)
 
 
 def main(argv: list[str] | None = None) -> int:

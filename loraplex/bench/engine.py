@@ -42,7 +42,6 @@ from loraplex.config import (
 from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.engine import Engine
 from loraplex.lora.layout import TARGETS
-from loraplex.lora.triton_config import LoRATiling
 from loraplex.lora.weights import AdapterWeights, LoRAPair
 from loraplex.model.llama import LlamaFamilyModel
 from loraplex.model.registry import MODEL_CLASSES
@@ -70,12 +69,10 @@ class EngineBenchArgs:
     graphs: bool = True  # decode steps as CUDA-graph replays (the engine's default on CUDA)
     # GraphConfig.lora_overlap: 0 in place, 1 shrink beside the GEMM, 2 whole op beside it (default)
     lora_overlap: int = DEFAULT_LORA_OVERLAP
-    lora_tiling: str | None = None  # a `bench kernels` tiling variant for the LoRA kernels (None: default)
     repeats: int = 3  # base-only / LoRA pairs, alternating; medians reported
-    # More LoRA configurations timed in every repeat of the same run (same model, adapters and
-    # GPU state): a scheduling mode, "in-place" (lora_overlap 0), "overlap" (the shrink beside the
-    # base GEMM, 1) or "concurrent" (the whole op beside it, 2); a tiling variant's name (run with
-    # the main run's mode); or a mode and a variant joined by "+" ("in-place+decode fused w4")
+    # More LoRA scheduling modes timed in every repeat of the same run (same model, adapters and
+    # GPU state): "in-place" (lora_overlap 0), "overlap" (the shrink beside the base GEMM, 1) or
+    # "concurrent" (the whole op beside it, 2)
     also: tuple[str, ...] = ()
 
     @classmethod
@@ -342,13 +339,6 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         ),
     )
     engine = Engine(config, model=model)
-    if args.lora_tiling is not None:
-        from loraplex.bench.kernels import TILING_VARIANTS
-
-        if args.lora_tiling not in TILING_VARIANTS:
-            raise SystemExit(f"unknown LoRA tiling {args.lora_tiling!r}; known: {', '.join(TILING_VARIANTS)}")
-        backend: Any = engine.lora_backend  # a tiling names a Triton backend's
-        backend.tiling = TILING_VARIANTS[args.lora_tiling]
 
     t0 = time.perf_counter()
     names = []
@@ -433,29 +423,20 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
 
 @dataclass
 class _LoRAVariant:
-    """An extra LoRA configuration of `--also`: its own static decode runner (graphs captured for
-    it) and LoRA tiling, swapped into the engine while it is timed."""
+    """An extra LoRA scheduling mode of `--also`: its own static decode runner (graphs captured for
+    it), swapped into the engine while it is timed."""
 
     engine: Engine
     runner: StaticDecodeRunner | None
-    tiling: LoRATiling | None
 
     @classmethod
     def parse(cls, spec: str, engine: Engine, args: EngineBenchArgs) -> _LoRAVariant:
-        from loraplex.bench.kernels import TILING_VARIANTS
-
-        parts = [p.strip() for p in spec.split("+")]
         modes = {"in-place": 0, "overlap": 1, "concurrent": 2}
-        named = [modes[p] for p in parts if p in modes]
-        overlap = named[0] if named else args.lora_overlap
-        names = [p for p in parts if p not in modes]
-        if len(names) > 1 or (names and names[0] not in TILING_VARIANTS) or len(named) > 1:
-            raise SystemExit(
-                f"--also {spec!r}: expected a mode ('in-place', 'overlap' or 'concurrent'), a tiling "
-                f"variant, or one of each joined by '+'; tiling variants: {', '.join(TILING_VARIANTS)}"
-            )
+        if spec.strip() not in modes:
+            raise SystemExit(f"--also {spec!r}: expected a mode, 'in-place', 'overlap' or 'concurrent'")
+        overlap = modes[spec.strip()]
         runner = engine.runner.static_decode
-        if runner is not None or (named and named[0]):  # a named overlap mode runs the static path
+        if runner is not None or overlap:  # an overlap mode runs the static path
             capture = runner.capture if runner is not None else False
             runner = StaticDecodeRunner(
                 engine.model,
@@ -468,24 +449,17 @@ class _LoRAVariant:
                 capture=capture,
                 lora_overlap=overlap,
             )
-        current = getattr(engine.lora_backend, "tiling", None)  # the torch backend (CPU) has none
-        return cls(engine, runner, TILING_VARIANTS[names[0]] if names else current)
+        return cls(engine, runner)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
         runner = self.engine.runner
-        backend: Any = self.engine.lora_backend  # a tiling where it has one (the Triton backend)
-        has_tiling = hasattr(backend, "tiling")
-        saved = runner.static_decode, getattr(backend, "tiling", None)
+        saved = runner.static_decode
         runner.static_decode = self.runner
-        if has_tiling:
-            backend.tiling = self.tiling
         try:
             yield
         finally:
-            runner.static_decode = saved[0]
-            if has_tiling:
-                backend.tiling = saved[1]
+            runner.static_decode = saved
 
 
 def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from loraplex.bench.kernel_cases import GROUPS, LLAMA3_8B, KernelCase, slice_off
 from loraplex.bench.timing import GpuTimer
 from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.ops_triton import TritonLoRABackend
-from loraplex.lora.triton_config import LoRATiling
+from loraplex.lora.triton_config import TwoLaunchTiling
 from loraplex.lora.weights import LoRASlotTable
 
 DTYPE = torch.bfloat16
@@ -35,7 +35,7 @@ def layer_modes(
     case: KernelCase,
     table: LoRASlotTable,
     base_w: dict[str, torch.Tensor],
-    tilings: Mapping[str, LoRATiling | None],
+    tilings: Mapping[str, TwoLaunchTiling | None],
 ) -> list[dict]:
     """One row per (mode, tiling): graph-replay time of the layer and its ratio to `base only`."""
     device = timer.device

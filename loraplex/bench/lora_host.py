@@ -43,11 +43,11 @@ def measure(layers: int = 8, rows: int = 64, adapters: int = 32, steps: int = 50
         "NoLaunchKernels",
         (),
         {
-            "lora_fused_kernel": _NoLaunch(),
             "lora_shrink_kernel": _NoLaunch(),
             "lora_expand_kernel": _NoLaunch(),
             "lora_shrink_pdl_kernel": _NoLaunch(),
             "lora_expand_pdl_kernel": _NoLaunch(),
+            "lora_expand_rows_kernel": _NoLaunch(),
             "shrink_grid": kernels.shrink_grid,
             "expand_grid": kernels.expand_grid,
         },

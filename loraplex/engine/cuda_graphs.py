@@ -188,6 +188,7 @@ class StaticDecodeRunner:
 
         self._fill(inputs, chunks, n)
         if segments:
+            assert lora_key is not None  # set above whenever the step has LoRA segments
             self._fill_lora(inputs, segments, lora_key[0], null_slot)
         inputs.upload()
         if captured.graph is not None:
@@ -312,7 +313,7 @@ class StaticDecodeRunner:
             _, null_slot = self.lora_backend.graph_epoch(self.lora_table, self.device)
             self._fill_lora(inputs, [], key.lora[0], null_slot)
         inputs.upload()
-        # Warm up outside the capture (kernel compilation, fused-launch plans, lazy buffers).
+        # Warm up outside the capture (kernel compilation, split-launch plans, lazy buffers).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -37,9 +37,6 @@ from loraplex.model.loader import load_model
 from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import AdapterRef, RequestOutput, SamplingParams
 
-# Steps between checks of the LoRA backend's device-side fault counter (a host sync on CUDA).
-_HEALTH_CHECK_EVERY = 256
-
 
 class RequestDelta(NamedTuple):
     """What one step produced for one request. (A NamedTuple: a step makes one per row, and
@@ -100,7 +97,6 @@ class Engine:
         # Live requests with max_tokens=0: while there are none, a step does no per-row check for them.
         self._num_scoring = 0
         self.last_stats: StepStats | None = None
-        self._steps = 0
         # The model and tables are built: collect once and move everything alive now out of the
         # collector's reach, so no full collection over them lands inside a step later.
         gc.collect()
@@ -206,9 +202,6 @@ class Engine:
         if not plan.chunks:
             self.last_stats = None
             return []
-        self._steps += 1
-        if self._steps % _HEALTH_CHECK_EVERY == 0:
-            self.lora_backend.check_health()
         calls_before = self.lora_backend.total_calls
         # The step's slot map, its slots pinned while it runs (only scheduled sequences pin).
         slots = self.slot_map(plan)

@@ -149,7 +149,7 @@ def _rows_logprobs(
     else:
         ints = chosen_ids[:, None].tolist()
         floats = chosen_lp.tolist()
-    dicts = []
+    dicts: list[dict[int, float]] = []
     add = dicts.append
     for row_ids, row_vals, k in zip(ints, floats, top_n, strict=True):
         if k < kmax:

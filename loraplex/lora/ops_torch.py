@@ -98,9 +98,6 @@ class TorchLoRABackend:
     def total_calls(self) -> int:
         return sum(self.calls.values())
 
-    def check_health(self) -> None:
-        """Nothing can go wrong asynchronously on this path."""
-
     def begin_step(
         self,
         meta: LoRABatchMetadata,

@@ -1,11 +1,12 @@
-"""Triton LoRA backend: the `TorchLoRABackend.apply` contract in one or two launches per group.
+"""Triton LoRA backend: the `TorchLoRABackend.apply` contract in two launches per group.
 
-Per call (one decoder layer's qkv, o, gate_up or down): a shrink step writes H = X_a A_a^T for
-every segment and slice, an expand step adds s_a H B_a^T into the base output. Decode-shaped
-calls whose fused grid fits on the GPU at once run both in one launch (`lora_fused_kernel`, see
-`_launch_fused`); the others run a shrink launch, then an expand launch. Nothing is launched
-when the step has no LoRA rows or no adapter of the step adapts any slice of the group; a slice
-that no adapter of the step adapts is compiled out.
+Per call (one decoder layer's qkv, o, gate_up or down): a shrink launch writes H = X_a A_a^T for
+every segment and slice, an expand launch adds s_a H B_a^T into the base output. Decode-shaped
+calls run the split launch (`_launch_split`: grids planned to fill the GPU, the two launches
+chained by programmatic dependent launch); prefill-shaped calls, and decode-shaped ones the split
+launch does not take, the two-launch pair. Nothing is launched when the step has no LoRA rows or
+no adapter of the step adapts any slice of the group; a slice that no adapter of the step adapts
+is compiled out.
 
 triton is imported when the backend is constructed, never by `import loraplex.lora`.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -23,13 +23,13 @@ from loraplex.lora.layout import GROUP_SLICES
 from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.triton_config import (
     DECODE,
-    FusedPlan,
-    LoRATiling,
+    DecodeTiling,
     ShrinkSplit,
+    SplitPlan,
+    TwoLaunchTiling,
     block_r_for,
-    blocks_per_sm,
     pick_tiling,
-    plan_fused,
+    plan_split,
     row_loop_applies,
     split_k,
 )
@@ -53,7 +53,7 @@ class _CallPlan:
 
     dev: LoRADeviceTable
     step: _StepInfo
-    tiling: LoRATiling
+    tiling: TwoLaunchTiling
     tabs: GroupTables
     slice_mask: int
     n_slices: int
@@ -84,12 +84,7 @@ class LoRAPartial:
     slice_offsets: tuple[int, ...]
 
 
-_UNPLANNED = object()  # a call shape whose fused plan is not made yet (None: no fused plan fits)
-
-# Row tiles a fused call may have: the size of the per-device arrival counter buffer, one counter
-# per 128-byte line (the kernels' CNT_STRIDE).
-MAX_FUSED_TILES = 4096
-COUNTER_STRIDE = 32
+_UNPLANNED = object()  # a call shape whose split plan is not made yet (None: no split plan fits)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -101,11 +96,13 @@ class TritonLoRABackend:
 
     name = "triton"
 
-    def __init__(self, tiling: LoRATiling | None = None) -> None:
+    def __init__(self, tiling: TwoLaunchTiling | None = None) -> None:
         from loraplex.lora import triton_kernels  # lazy: needs triton
 
         self._k = triton_kernels
-        self.tiling = tiling  # None: pick per step from the segment lengths
+        # None: pick per step from the segment lengths (DECODE or PREFILL); a tiling: every step's
+        # (the split launch where it is a DecodeTiling)
+        self.tiling = tiling
         # Tests set this: the scratch H is filled with NaN first (one extra launch), so a block the
         # shrink kernel failed to write poisons the output instead of passing by luck.
         self.poison_scratch = False
@@ -115,13 +112,11 @@ class TritonLoRABackend:
         self._step_meta: LoRABatchMetadata | None = None
         self._step_version = -1
         self._step: _StepInfo | None = None
-        self._counters: dict[torch.device, torch.Tensor] = {}  # fused path: arrival counters, kept zeroed
-        self._plans: dict[tuple, FusedPlan | None] = {}  # fused grid per call shape (None: two launches)
-        self._fused_kw: dict[tuple, dict] = {}  # fused launch: compile-time arguments per call shape
+        self._plans: dict[tuple, SplitPlan | None] = {}  # split grids per call shape (None: two launches)
         # What every layer's call of one group shares within a step (tiling, split, columns), and
         # the (layer, group) shapes already checked against the device tables' version.
         self._call_cache: dict[tuple, _CallPlan] = {}
-        self._call_cache_of: tuple[_StepInfo, LoRATiling | None] | None = None
+        self._call_cache_of: tuple[_StepInfo, TwoLaunchTiling | None] | None = None
         self._checked: set[tuple] = set()
         self._checked_version = -1
         # the step's segment tables (`begin_step`): (metadata, table version, tables)
@@ -132,15 +127,6 @@ class TritonLoRABackend:
     @property
     def total_calls(self) -> int:
         return sum(self.calls.values())
-
-    def check_health(self) -> None:
-        """Raise if a fused expand program ever gave up waiting for its shrink programs (an
-        invariant broke, and that step's LoRA output was wrong). Reads a device counter: a sync,
-        so the engine calls it every few hundred steps, not every step."""
-        for device, counters in self._counters.items():
-            faults = int(counters[MAX_FUSED_TILES * COUNTER_STRIDE :].sum())
-            if faults:
-                raise RuntimeError(f"LoRA fused kernel on {device}: {faults} expand programs timed out")
 
     @staticmethod
     def _table_key(device: torch.device | str) -> torch.device:
@@ -173,23 +159,23 @@ class TritonLoRABackend:
         replayed: bool | None = None,
     ) -> None:
         """Called once per forward, before its first `apply` (inside a CUDA-graph capture when
-        the step is captured): when the row-loop expand may run, find every row's segment; with
-        a decode tiling that reads per-step segment tables and a step whose calls run as graph
-        replays (`replayed`; by default a step with static metadata or one being captured),
-        gather them now, for every layer at once. An eager step does not: its calls would build
-        views of the gathered tables per (layer, group) on the host, about 0.7 ms a step on a
-        32-layer model, for one dependent load fewer per kernel program. Calls of a step that did
+        the step is captured): when the row-loop expand may run, find every row's segment; for
+        a step whose calls run as graph replays (`replayed`; by default a step with static
+        metadata or one being captured), gather the split launch's per-step segment tables now,
+        for every layer at once. An eager step does not: its calls would build views of the
+        gathered tables per (layer, group) on the host, about 0.7 ms a step on a 32-layer model,
+        for one dependent load fewer per kernel program. Calls of a step that did
         not begin this way read the slot tables and find the rows' segments themselves."""
         self._seg = self._row_seg = None
         tiling = self.tiling or DECODE
-        if not (tiling.fused and tiling.fused_split_launch) or meta.num_segments == 0:
+        if not isinstance(tiling, DecodeTiling) or meta.num_segments == 0:
             return
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments):
             self._row_segments(meta, step_begins=True)  # the row-loop expand may run this step
         if replayed is None:
             capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
             replayed = meta.static is not None or capturing
-        if not (tiling.reads_segment_tables and replayed):
+        if not replayed:
             return
         dev = self.device_table(device)
         dev.sync(table)
@@ -268,10 +254,11 @@ class TritonLoRABackend:
         if call is None:
             return
         self._check_y(y, x, slice_offsets)
+        tiling = call.tiling
         if (
-            call.tiling.fused
-            and call.step.block_r <= call.tiling.fused_max_rank
-            and self._launch_fused(y, x, meta, call, slice_offsets)
+            isinstance(tiling, DecodeTiling)
+            and call.step.block_r <= tiling.split_max_rank
+            and self._launch_split(y, x, meta, call, tiling, slice_offsets)
         ):
             self.calls[group] += 1
             return
@@ -339,7 +326,7 @@ class TritonLoRABackend:
         if shared is None:
             shared = self._group_call(x, meta, dev, step, slices, offsets)
             self._call_cache[(group, x.device, x.shape[1], offsets)] = shared
-        seg = self._segment_tables(meta, dev) if shared.tiling.seg_tables else None
+        seg = self._segment_tables(meta, dev) if isinstance(shared.tiling, DecodeTiling) else None
         seg_tabs = seg.group(layer, group) if seg is not None else None
         return shared.with_layer(dev.group(layer, group), slice_mask, seg_tabs)
 
@@ -408,154 +395,72 @@ class TritonLoRABackend:
             h.fill_(float("nan"))
         return h
 
-    def _launch_fused(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        meta: LoRABatchMetadata,
-        call: _CallPlan,
-        slice_offsets: Sequence[int],
-    ) -> bool:
-        """One launch for the whole call when the fused grid fits on the GPU at once; False
-        (nothing launched) otherwise, and the caller takes the two-launch path.
-
-        On CUDA the plan must fit the compiled kernel's occupancy: every program resident at
-        once, so no spinning expand program ever waits for a shrink program that has no room to
-        start. The first call of a shape compiles the kernel for the plan, reads its registers and
-        shared memory, and re-plans (at most twice) with the programs per SM that really fit; the
-        outcome is cached per shape. With `fused_split_launch` the plan runs as two launches
-        (`_launch_split`), which need no co-residency.
-        """
-        dev, tabs, tiling, step = call.dev, call.tabs, call.tiling, call.step
-        r_chunks, slice_mask, cols = call.r_chunks, call.slice_mask, call.cols
-        tiles = call.n_segs * call.row_tiles
-        n_slices = len(slice_offsets) - 1
-        d_in = x.shape[1]
-        widths = tuple(
-            slice_offsets[i + 1] - slice_offsets[i] if slice_mask >> i & 1 else 0 for i in range(n_slices)
-        )
-        key = (tiling, tiles, r_chunks, d_in, widths, step.block_r, x.device, x.dtype)
-        cached = self._plans.get(key, _UNPLANNED)
-        if cached is None:
-            return False
-        first = cached is _UNPLANNED
-        plan = cached if isinstance(cached, FusedPlan) else None
-        kw_key = (key, slice_mask, tuple(cols), dev.rank_aligned, dev.base.dtype)
-        sms = self._num_sms(x.device)
-        if first:
-            if tiles > MAX_FUSED_TILES:
-                self._plans[key] = None
-                return False
-            plan = plan_fused(tiling, tiles, r_chunks, d_in, widths, step.block_r, sms)
-        if plan is None:
-            self._plans[key] = None
-            return False
-        if x.device not in self._counters:
-            # zeroed once; each fused launch leaves it zeroed (a row tile's last program resets it)
-            # (one more element at the end: the count of expand programs that gave up waiting)
-            n = (MAX_FUSED_TILES + 1) * COUNTER_STRIDE
-            self._counters[x.device] = torch.zeros(n, dtype=torch.int32, device=x.device)
-        counters = self._counters[x.device]
-        h = self._scratch((plan.split.n_split, n_slices, meta.num_lora_rows, step.block_r), x.device)
-        cuda = x.device.type == "cuda"
-        use_pdl = (2 if tiling.pdl_early else 1) if tiling.pdl and cuda else 0
-
-        def args(p: FusedPlan) -> tuple[tuple, dict]:
-            ch = p.chunks
-            pos = (
-                y, x, dev.base, h, counters, counters[MAX_FUSED_TILES * COUNTER_STRIDE :], meta.row_perm,
-                meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.b_offs, tabs.ranks, tabs.scales,
-                dev.n_slots, d_in, x.stride(0), y.stride(0), meta.num_lora_rows, tiles // meta.num_segments,
-                p.n_shrink, *cols, ch[0], ch[0] + ch[1], sum(ch),
-            )  # fmt: skip
-            kw = None if first else self._fused_kw.get(kw_key)  # a re-planned grid needs its own
-            if kw is not None:
-                return pos, kw
-            kw = dict(
-                N_SLICES=n_slices, SLICE_MASK=slice_mask, RANK_ALIGNED=dev.rank_aligned,
-                W_ALIGN=16 // dev.base.element_size(), COLS_ALIGNED=all(c % 8 == 0 for c in cols),
-                BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r,
-                BLOCK_RC=step.block_r // r_chunks, K_CHUNK=p.split.k_chunk, N_SPLIT=p.split.n_split,
-                BLOCK_N=p.block_n, N_SUB=p.n_sub, USE_PDL=use_pdl,
-                num_warps=tiling.fused_warps, num_stages=tiling.fused_stages,
-            )  # fmt: skip
-            if use_pdl:
-                kw["launch_pdl"] = True
-            return pos, kw
-
-        if tiling.fused_split_launch:
-            self._plans[key] = plan
-            self._launch_split(y, x, meta, call, plan, h, widths)
-            return True
-        kernel = self._k.lora_fused_kernel
-        if first and cuda:
-            fits, per_sm = False, tiling.per_sm_for(step.block_r, d_in)
-            for _ in range(3):  # the program's resources depend a little on the plan's tile counts
-                pos, kw = args(plan)
-                occ = self._programs_per_sm(kernel.warmup(*pos, grid=(plan.programs,), **kw), x.device)
-                fits = plan.resident <= occ * sms
-                per_sm = min(per_sm - 1, occ) if not fits else per_sm
-                if fits or per_sm < 1:
-                    break
-                plan = plan_fused(tiling, tiles, r_chunks, d_in, widths, step.block_r, sms, per_sm)
-                if plan is None:
-                    break
-            if not fits:
-                self._plans[key] = None
-                return False
-            assert plan is not None  # a plan that fits is never None
-        self._plans[key] = plan
-        pos, kw = args(plan)
-        self._fused_kw[kw_key] = kw
-        kernel[(plan.programs,)](*pos, **kw)
-        return True
-
     def _launch_split(
         self,
         y: torch.Tensor,
         x: torch.Tensor,
         meta: LoRABatchMetadata,
         call: _CallPlan,
-        plan: FusedPlan,
-        h: torch.Tensor,
-        widths: tuple[int, ...],
-    ) -> None:
-        """The fused plan as two launches (`fused_split_launch`): no program waits on another, so
-        nothing needs to be resident at once. widths: each slice's, 0 for slices nobody adapts."""
-        dev, tabs, tiling, step, cols = call.dev, call.tabs, call.tiling, call.step, call.cols
-        pdl = {"launch_pdl": True} if tiling.pdl and x.device.type == "cuda" else {}
+        tiling: DecodeTiling,
+        slice_offsets: Sequence[int],
+    ) -> bool:
+        """The call as the split launch when its grid fits the budget (`plan_split`, cached per
+        call shape); False (nothing launched) otherwise, and the caller takes the two-launch path.
+        The shrink launch, then the expand launch: no program waits on another, so nothing needs
+        to be resident at once. With PDL (CUDA) the expand's programs start while the shrink runs
+        and load their B tiles before they wait for it."""
+        dev, step, cols = call.dev, call.step, call.cols
+        tiles = call.n_segs * call.row_tiles
+        n_slices = len(slice_offsets) - 1
+        d_in = x.shape[1]
+        # each slice's width, 0 for slices nobody adapts
+        widths = tuple(
+            slice_offsets[i + 1] - slice_offsets[i] if call.slice_mask >> i & 1 else 0
+            for i in range(n_slices)
+        )
+        key = (tiling, tiles, call.r_chunks, d_in, widths, step.block_r, x.device, x.dtype)
+        cached = self._plans.get(key, _UNPLANNED)
+        if cached is _UNPLANNED:
+            sms = self._num_sms(x.device)
+            cached = self._plans[key] = plan_split(
+                tiling, tiles, call.r_chunks, d_in, widths, step.block_r, sms
+            )
+        if not isinstance(cached, SplitPlan):
+            return False
+        plan = cached
+        h = self._scratch((plan.split.n_split, n_slices, meta.num_lora_rows, step.block_r), x.device)
+        pdl = {"launch_pdl": True} if x.device.type == "cuda" else {}
         use_pdl = 1 if pdl else 0
         # per-step segment tables (one column per segment) when the step began with them
-        n_cols = dev.n_slots
+        tabs, n_cols = call.tabs, dev.n_slots
         if call.seg_tabs is not None:
             tabs, n_cols = call.seg_tabs, meta.num_segments
         common = dict(
             N_SLICES=call.n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
             BLOCK_M=tiling.block_m, BLOCK_R=step.block_r, N_SPLIT=plan.split.n_split, USE_PDL=use_pdl,
-            SEG_TABLES=call.seg_tabs is not None, num_stages=tiling.fused_stages, **pdl,
+            SEG_TABLES=call.seg_tabs is not None, num_stages=tiling.split_stages, **pdl,
         )  # fmt: skip
-        expand_warps = tiling.split_expand_warps or tiling.fused_warps
         shrink_stages = tiling.shrink_stages_for(step.block_r, plan.split.k_chunk // tiling.block_k)
         self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
             n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
             SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
-            K_CHUNK=plan.split.k_chunk, num_warps=tiling.fused_warps,
+            K_CHUNK=plan.split.k_chunk, num_warps=tiling.split_shrink_warps,
             **dict(common, num_stages=shrink_stages),
         )  # fmt: skip
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments, step.block_r, sum(widths)):
-            self._launch_expand_rows(
-                y, h, meta, call, tabs, n_cols, widths, dict(common, num_warps=expand_warps)
-            )
-            return
+            expand = dict(common, num_warps=tiling.split_expand_warps)
+            self._launch_expand_rows(y, h, meta, call, tiling, tabs, n_cols, widths, expand)
+            return True
         ch = plan.chunks
         self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_offs, tabs.ranks,
             tabs.scales, n_cols, y.stride(0), meta.num_lora_rows, call.row_tiles, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
-            COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n, N_SUB=plan.n_sub,
-            ATOMIC_Y=tiling.atomic_y, num_warps=expand_warps, **common,
+            COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n,
+            num_warps=tiling.split_expand_warps, **common,
         )  # fmt: skip
+        return True
 
     def _launch_expand_rows(
         self,
@@ -563,39 +468,26 @@ class TritonLoRABackend:
         h: torch.Tensor,
         meta: LoRABatchMetadata,
         call: _CallPlan,
+        tiling: DecodeTiling,
         tabs: GroupTables,
         n_cols: int,
         widths: tuple[int, ...],
         common: dict,
     ) -> None:
-        """The split launch's expand half as the row-loop kernel: row tiles of the segment order
-        (spanning segments) x column tiles of the adapted slices, `row_loop_tile_elems` B
-        elements per tile."""
-        tiling, step, cols = call.tiling, call.step, call.cols
-        block_n = max(16, min(256, tiling.row_loop_tile_elems // step.block_r))
+        """The split launch's expand as the row-loop kernel: row tiles of the segment order
+        (spanning segments) x column tiles of the adapted slices, `row_loop_block_n` columns each."""
+        cols = call.cols
+        block_n = tiling.row_loop_block_n
         ch = [_cdiv(w, block_n) for w in widths] + [0] * (3 - len(widths))
         num_rows = meta.num_lora_rows
+        cuda = y.device.type == "cuda"
         self._k.lora_expand_rows_kernel[(_cdiv(num_rows, tiling.block_m) * sum(ch),)](
             y, call.dev.base, h, meta.row_perm, self._row_segments(meta), meta.seg_slots, tabs.b_offs,
             tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
-            COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=y.device.type == "cuda",
-            ATOMIC_Y=tiling.atomic_y, EARLY_B=tiling.row_loop_early_b,
-            TABLE_ASM=tiling.row_loop_table_asm and y.device.type == "cuda",
-            **dict(
-                common,
-                num_stages=tiling.row_loop_stages or common["num_stages"],
-                num_warps=tiling.row_loop_warps or common["num_warps"],
-            ),
-            **({"maxnreg": tiling.row_loop_maxnreg} if tiling.row_loop_maxnreg else {}),
+            COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=cuda, TABLE_ASM=cuda,
+            **common,
         )  # fmt: skip
-
-    @staticmethod
-    def _programs_per_sm(compiled: Any, device: torch.device) -> int:
-        ck = compiled.result() if hasattr(compiled, "result") else compiled
-        ck._init_handles()
-        props = torch.cuda.get_device_properties(device)
-        return blocks_per_sm(ck.n_regs, ck.metadata.shared, ck.metadata.num_warps, props)
 
     @staticmethod
     def _check(

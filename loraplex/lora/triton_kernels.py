@@ -1,5 +1,8 @@
 """Triton kernels of the segmented LoRA op: shrink (H = X_a A_a^T) and expand (Y += s_a H B_a^T),
-as two launches or as one (`lora_fused_kernel`: shrink and expand programs in one grid).
+each its own launch: the two-launch pair (`lora_shrink_kernel`, `lora_expand_kernel`; prefill, and
+the decode calls the split launch does not take) and the split launch of decode steps
+(`lora_shrink_pdl_kernel`, then `lora_expand_pdl_kernel` or `lora_expand_rows_kernel`, chained by
+programmatic dependent launch on CUDA).
 
 Imported only by `ops_triton` (lazily), so `import loraplex.lora` works without triton.
 
@@ -133,8 +136,8 @@ def _sum_partials(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, L2_ONLY: tl.constexpr,
 ):  # fmt: skip
     """h of slice i for rows offs_m: the sum of the shrink's partials over its K splits, loaded
-    in one unrolled burst (L2_ONLY: `.cg`, past L1, which may hold a stale line of h when the
-    shrink ran in the same launch)."""
+    in one unrolled burst (L2_ONLY: `.cg`, past L1: the split launch's expands read h that a launch
+    they overlapped under PDL has just written)."""
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for s in tl.static_range(N_SPLIT):
         base = h_ptr + ((s * N_SLICES + i) * num_rows).to(tl.int64) * BLOCK_R
@@ -281,34 +284,16 @@ def lora_expand_kernel(
         tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + delta).to(yt.dtype), mask=y_mask)
 
 
-# Polls of a row tile's arrival counter before an expand program gives up (about a second): a
-# broken invariant then shows as an error count and wrong output instead of a hung GPU.
-MAX_SPINS: tl.constexpr = tl.constexpr(1 << 20)
-# One arrival counter per 128-byte line, so that the hundreds of programs polling and bumping
-# counters of different row tiles do not share a line (measured: no change at the decode target).
-CNT_STRIDE: tl.constexpr = tl.constexpr(32)
+# --- the split launch (decode): shrink and expand as two launches chained by PDL ------------------
 
 
 @triton.jit
-def _read_y(ptrs, mask, ATOMIC_Y: tl.constexpr):
-    """A tile of Y for `_write_y` (ATOMIC_Y: nothing is read; zeros stand in)."""
-    if ATOMIC_Y:
-        return tl.zeros(ptrs.shape, dtype=ptrs.dtype.element_ty)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _write_y(ptrs, yt, delta, mask, ATOMIC_Y: tl.constexpr):
-    """Y += delta (float32) on a tile: yt (read by `_read_y`) plus delta, rounded once, stored;
-    or (ATOMIC_Y) delta rounded to Y's dtype and added by one atomic add per element, which
-    saves the read's round trip on the critical path and its bytes. Every element of Y has one
-    writer in a launch, so the result does not depend on timing; it rounds twice, as adding a
-    LoRA output in Y's dtype (PEFT's order) does."""
-    if ATOMIC_Y:
-        tl.atomic_add(ptrs, delta.to(ptrs.dtype.element_ty), mask=mask, sem="relaxed")
-    else:
-        tl.store(ptrs, (yt.to(tl.float32) + delta).to(yt.dtype), mask=mask)
+def _add_y(ptrs, delta, mask):
+    """Y += delta (float32) on a tile: delta rounded to Y's dtype and added by one atomic add per
+    element, so the expand never reads Y (no round trip after the PDL wait, no bytes). Every
+    element of Y has one writer in a launch, so the result does not depend on timing; it rounds
+    twice, as adding a LoRA output in Y's dtype (PEFT's order) does."""
+    tl.atomic_add(ptrs, delta.to(ptrs.dtype.element_ty), mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -323,14 +308,20 @@ def _slot_or_segment(seg_slots_ptr, seg, SEG_TABLES: tl.constexpr):
 
 
 @triton.jit
-def _fused_shrink_part(
-    pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab,
-    n_slots, d_in, stride_xm, num_rows, row_tiles,
+def lora_shrink_pdl_kernel(
+    x_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab, n_slots, d_in,
+    stride_xm, num_rows, row_tiles,
     N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
-    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
-    SEG_TABLES: tl.constexpr = False,
+    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
 ):  # fmt: skip
+    """The split launch's shrink (grid: row tiles x K chunks x rank chunks, planned to fill the
+    GPU by `triton_config.plan_split`), handing h to `lora_expand_pdl_kernel` (or
+    `lora_expand_rows_kernel`) through the launch boundary. With PDL the expand launch may start
+    at once: its programs load their B tiles while these run."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
     # pid -> (row tile, K split, rank chunk), rank chunk fastest: programs sharing an X tile adjacent
     R_CHUNKS: tl.constexpr = BLOCK_R // BLOCK_RC
     rc = pid % R_CHUNKS
@@ -349,34 +340,29 @@ def _fused_shrink_part(
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     offs_r = rc * BLOCK_RC + tl.arange(0, BLOCK_RC)
     if USE_PDL:
-        # Everything above reads only metadata and weights; X, h and the counters may still be in
-        # use by the kernel this one overlaps, so they wait for it to finish.
+        # Everything above reads only metadata and weights; X and h may still be in use by the
+        # kernel this one overlaps, so they wait for it to finish.
         tl.extra.cuda.gdc_wait()
-    # An idle program (past its segment's rows or its adapter's rank) still arrives below.
     if (m0 < seg_hi) & (rc * BLOCK_RC < r_max):
         _shrink_tile(
             x_ptr, h_ptr, rows, offs_m, m_mask, offs_r, split, a0, r0, a1, r1, a2, r2, d_in, stride_xm,
             num_rows, N_SLICES, SLICE_MASK, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK,
         )  # fmt: skip
-    if COUNTERS:
-        # Publish: every thread's h stores are ordered before the (single-thread) release increment.
-        tl.debug_barrier()
-        tl.atomic_add(cnt_ptr + tile * CNT_STRIDE, 1, sem="release", scope="gpu")
-    if USE_PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def _fused_expand_part(
-    e, y_ptr, w_base, h_ptr, cnt_ptr, err_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab,
-    rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
+def lora_expand_pdl_kernel(
+    y_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots,
+    stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
-    N_SPLIT: tl.constexpr, ARRIVALS: tl.constexpr, USE_PDL: tl.constexpr, COUNTERS: tl.constexpr,
-    SEG_TABLES: tl.constexpr = False, ATOMIC_Y: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
 ):  # fmt: skip
-    # e -> (row tile, column chunk); chunks of all adapted slices are numbered consecutively
-    # (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2: [ch2, n_chunks)), so none is idle by design.
+    """The split launch's expand (grid: row tiles x column tiles of the adapted slices), after
+    `lora_shrink_pdl_kernel`: the PDL wait (or stream order) is the hand-off. Column tiles of all
+    adapted slices are numbered consecutively (slice 0: [0, ch1), slice 1: [ch1, ch2), slice 2:
+    [ch2, n_chunks)), so no program is idle by construction."""
+    e = tl.program_id(0)
     tile = e // n_chunks
     i, chunk = _chunk_slice(e % n_chunks, ch1, ch2)
     seg = tile // row_tiles
@@ -391,173 +377,24 @@ def _fused_expand_part(
     rows = tl.load(row_perm_ptr + offs_m, mask=m_mask, other=0)
     col_lo, col_hi = _slice_columns(i, col0, col1, col2, col3, COLS_ALIGNED)
     width = col_hi - col_lo
-    n_lo = chunk * (BLOCK_N * N_SUB)
+    n_lo = chunk * BLOCK_N
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    # B does not depend on the shrink: its first tile is in flight while the shrink programs run.
+    # B does not depend on the shrink: its tile is in flight while the shrink programs run.
     offs_n = n_lo + tl.arange(0, BLOCK_N)
     n_mask = offs_n < width
     bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :],
                  other=0.0)  # fmt: skip
-    if N_SUB == 2:
-        # Two tiles per program: both B tiles before the wait and both Y tiles right after it, so
-        # the second tile costs bytes, not another round trip (a loop would load it after the
-        # first tile's store).
-        offs_n2 = offs_n + BLOCK_N
-        n_mask2 = offs_n2 < width
-        bt2 = tl.load(b_ptr + offs_n2[None, :] * rank + offs_r[:, None],
-                      mask=r_mask[:, None] & n_mask2[None, :], other=0.0)  # fmt: skip
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # y, h and the counters belong to the kernel before until it is done
+        tl.extra.cuda.gdc_wait()  # y and h belong to the kernel before until it is done
     y_rows = y_ptr + rows[:, None] * stride_ym + col_lo
     y_mask = m_mask[:, None] & n_mask[None, :]
-    if N_SUB == 2:
-        y_mask2 = m_mask[:, None] & n_mask2[None, :]
-    # Y right after the wait, beside h (ATOMIC_Y: never read; the sum goes in as an atomic add)
-    yt = _read_y(y_rows + offs_n[None, :], y_mask, ATOMIC_Y)
-    if N_SUB == 2:
-        yt2 = _read_y(y_rows + offs_n2[None, :], y_mask2, ATOMIC_Y)
-    cnt = cnt_ptr + tile * CNT_STRIDE
-    if COUNTERS:
-        # Wait until every shrink program of this row tile has arrived (they precede every expand
-        # program in launch order and never wait themselves, so they always finish).
-        seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
-        spins = 0
-        while (seen < ARRIVALS) & (spins < MAX_SPINS):
-            seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
-            spins += 1
-        if seen < ARRIVALS:  # never expected: give up rather than hang the GPU, and say so
-            tl.atomic_add(err_ptr, 1, sem="relaxed", scope="gpu")
-        # Count this program out; the last of the row tile resets the counter for the next launch.
-        if tl.atomic_add(cnt, 1, sem="relaxed", scope="gpu") == ARRIVALS + n_chunks - 1:
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-    # else: a separate launch after the shrink's; stream order (or the PDL wait above) is the wait
-    if USE_PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()  # only the expand tail is left: the next call may start
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # only the h sum, dot and add are left: the next call may start
     h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, True)
     if (m0 < seg_hi) & (rank > 0):
         hs = (tl.where(r_mask[None, :], h, 0.0) * scale).to(y_ptr.dtype.element_ty)
-        _write_y(y_rows + offs_n[None, :], yt, tl.dot(hs, bt), y_mask, ATOMIC_Y)
-        if N_SUB == 2:
-            _write_y(y_rows + offs_n2[None, :], yt2, tl.dot(hs, bt2), y_mask2, ATOMIC_Y)
-        # The rest of the chunk (N_SUB > 2): a compile-time trip count, so the compiler pipelines
-        # these loads.
-        FIRST_IN_LOOP: tl.constexpr = BLOCK_N * 2 if N_SUB == 2 else BLOCK_N
-        for nn in range(FIRST_IN_LOOP, BLOCK_N * N_SUB, BLOCK_N):
-            offs_n = n_lo + nn + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < width
-            y_mask = m_mask[:, None] & n_mask[None, :]
-            yt = _read_y(y_rows + offs_n[None, :], y_mask, ATOMIC_Y)
-            b_mask = r_mask[:, None] & n_mask[None, :]
-            bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=b_mask, other=0.0)
-            _write_y(y_rows + offs_n[None, :], yt, tl.dot(hs, bt), y_mask, ATOMIC_Y)
-
-
-@triton.jit
-def lora_fused_kernel(
-    y_ptr,  # y: [T, d_out_total], updated in place
-    x_ptr,  # x: [T, d_in]
-    w_base,
-    h_ptr,  # h: [N_SPLIT, N_SLICES, R, BLOCK_R] float32 partial sums, shrink -> expand
-    cnt_ptr,  # int32 [>= S * row_tiles * CNT_STRIDE], zero between launches (the kernel leaves it so)
-    err_ptr,  # int32 [1]: incremented by an expand program that gave up waiting (never expected)
-    row_perm_ptr,
-    seg_offsets_ptr,
-    seg_slots_ptr,
-    a_tab,
-    b_tab,
-    rank_tab,
-    scale_tab,
-    n_slots,
-    d_in,
-    stride_xm,
-    stride_ym,
-    num_rows,
-    row_tiles,
-    n_shrink,  # programs [0, n_shrink) shrink, the rest expand
-    col0,
-    col1,
-    col2,
-    col3,
-    ch1,  # first expand chunk of slice 1 / slice 2; n_chunks: chunks per row tile
-    ch2,
-    n_chunks,
-    N_SLICES: tl.constexpr,
-    SLICE_MASK: tl.constexpr,
-    RANK_ALIGNED: tl.constexpr,
-    W_ALIGN: tl.constexpr,
-    COLS_ALIGNED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_RC: tl.constexpr,
-    K_CHUNK: tl.constexpr,
-    N_SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    N_SUB: tl.constexpr,  # expand: BLOCK_N-column tiles per program
-    USE_PDL: tl.constexpr,  # 0: off; 1: next call may start once all programs are past their wait; 2: at once
-):
-    # grid: (n_shrink + S * row_tiles * n_chunks,). Shrink and expand in one launch: the expand
-    # programs of a row tile spin on its arrival counter until its N_SPLIT * R_CHUNKS shrink
-    # programs have stored their partial h. Deadlock-free as long as the shrink programs, which
-    # come first, get scheduled: the host only takes this path for grids that fit on the GPU at
-    # once (`triton_config.plan_fused` and the occupancy check in `ops_triton`).
-    pid = tl.program_id(0)
-    if USE_PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()  # the next call's prologue may start once all are in
-    if pid < n_shrink:
-        _fused_shrink_part(
-            pid, x_ptr, w_base, h_ptr, cnt_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
-            rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-            W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, USE_PDL, True,
-        )  # fmt: skip
-    else:
-        _fused_expand_part(
-            pid - n_shrink, y_ptr, w_base, h_ptr, cnt_ptr, err_ptr, row_perm_ptr, seg_offsets_ptr,
-            seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1,
-            col2, col3, ch1, ch2, n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N,
-            BLOCK_R, N_SUB, N_SPLIT, N_SPLIT * (BLOCK_R // BLOCK_RC), USE_PDL, True,
-        )  # fmt: skip
-
-
-@triton.jit
-def lora_shrink_pdl_kernel(
-    x_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab, rank_tab, n_slots, d_in,
-    stride_xm, num_rows, row_tiles,
-    N_SLICES: tl.constexpr, SLICE_MASK: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RC: tl.constexpr,
-    K_CHUNK: tl.constexpr, N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr,
-):  # fmt: skip
-    """The fused kernel's shrink programs as their own launch (grid: n_shrink), handing h to
-    `lora_expand_pdl_kernel` (or `lora_expand_rows_kernel`) through the launch boundary instead of
-    counters. With PDL the expand launch may start at once: its programs load their B tiles while
-    these run."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    PART_PDL: tl.constexpr = 2 if USE_PDL else 0  # wait for the kernel before; trigger done above
-    _fused_shrink_part(
-        tl.program_id(0), x_ptr, w_base, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, a_tab,
-        rank_tab, n_slots, d_in, stride_xm, num_rows, row_tiles, N_SLICES, SLICE_MASK, RANK_ALIGNED,
-        W_ALIGN, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_RC, K_CHUNK, N_SPLIT, PART_PDL, False, SEG_TABLES,
-    )  # fmt: skip
-
-
-@triton.jit
-def lora_expand_pdl_kernel(
-    y_ptr, w_base, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr, b_tab, rank_tab, scale_tab, n_slots,
-    stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2, n_chunks,
-    N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SUB: tl.constexpr,
-    N_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, ATOMIC_Y: tl.constexpr = False,
-):  # fmt: skip
-    """The fused kernel's expand programs as their own launch (grid: n_expand), after
-    `lora_shrink_pdl_kernel`: the PDL wait (or stream order) replaces the arrival counters."""
-    _fused_expand_part(
-        tl.program_id(0), y_ptr, w_base, h_ptr, h_ptr, h_ptr, row_perm_ptr, seg_offsets_ptr, seg_slots_ptr,
-        b_tab, rank_tab, scale_tab, n_slots, stride_ym, num_rows, row_tiles, col0, col1, col2, col3, ch1, ch2,
-        n_chunks, N_SLICES, RANK_ALIGNED, W_ALIGN, COLS_ALIGNED, BLOCK_M, BLOCK_N, BLOCK_R, N_SUB, N_SPLIT, 1,
-        USE_PDL, False, SEG_TABLES, ATOMIC_Y,
-    )  # fmt: skip
+        _add_y(y_rows + offs_n[None, :], tl.dot(hs, bt), y_mask)
 
 
 @triton.jit
@@ -566,8 +403,7 @@ def lora_expand_rows_kernel(
     stride_ym, num_rows, n_segs, col0, col1, col2, col3, ch1, ch2, n_chunks,
     N_SLICES: tl.constexpr, RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, COLS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr, ATOMIC_Y: tl.constexpr = False,
-    EARLY_B: tl.constexpr = False, TABLE_ASM: tl.constexpr = False,
+    USE_PDL: tl.constexpr, SEG_TABLES: tl.constexpr, FOR_LOOP: tl.constexpr, TABLE_ASM: tl.constexpr,
 ):  # fmt: skip
     """Expand over row tiles that span segments (grid: row tiles x column chunks of all adapted
     slices), after `lora_shrink_pdl_kernel`: a program takes BLOCK_M consecutive rows of the
@@ -577,15 +413,13 @@ def lora_expand_rows_kernel(
     programs. row_seg: [num_rows] int32, the segment of every row (n_segs past the last
     segment's rows).
 
-    The loop is counted, so the compiler pipelines it. Each B tile's address hangs on table
-    loads (the segment's entry), and a pipelined table load is staged through shared memory
-    behind a wait for every copy in flight, which drains the B tiles issued ahead: in effect one
-    B tile at a time. TABLE_ASM (CUDA only) reads the entries by `_ld_opaque`, which the
-    pipeliner leaves alone, so it stages B alone, num_stages - 1 tiles ahead. EARLY_B loads the
-    first segment's B tile before the PDL wait (it does not depend on the shrink); the loop then
-    starts at the second. Deeper pipelines (more stages; B tiles prefetched in registers) took
-    more registers than one wave of gate_up's programs allows and were slower on an H200:
-    docs/kernels.md."""
+    The first segment's B tile is loaded before the PDL wait (it does not depend on the shrink);
+    the loop starts at the second. The loop is counted (FOR_LOOP, CUDA), so the compiler
+    pipelines it. Each B tile's address hangs on table loads (the segment's entry), and a
+    pipelined table load is staged through shared memory behind a wait for every copy in flight,
+    which drains the B tiles issued ahead: in effect one B tile at a time. TABLE_ASM (CUDA only)
+    reads the entries by `_ld_opaque`, which the pipeliner leaves alone, so it stages B alone,
+    num_stages - 1 tiles ahead."""
     pid = tl.program_id(0)
     tile = pid // n_chunks
     i, chunk = _chunk_slice(pid % n_chunks, ch1, ch2)
@@ -604,20 +438,19 @@ def lora_expand_rows_kernel(
     offs_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_hi - col_lo
     offs_r = tl.arange(0, BLOCK_R)
-    if EARLY_B:
-        # a segment index inside the tables when the tile has no live row, and nothing read
-        bt0, scale0, r_mask0 = _rows_segment_b(
-            tl.minimum(s_lo, n_segs - 1), s_lo <= s_hi, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab,
-            scale_tab, seg_slots_ptr, n_slots, i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
-        )  # fmt: skip
+    # a segment index inside the tables when the tile has no live row, and nothing read; plain
+    # loads, since there is no loop here for the pipeliner to stage them in
+    bt0, scale0, r_mask0 = _rows_segment_b(
+        tl.minimum(s_lo, n_segs - 1), s_lo <= s_hi, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab,
+        scale_tab, seg_slots_ptr, n_slots, i, RANK_ALIGNED, W_ALIGN, SEG_TABLES, False,
+    )  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # y and h belong to the shrink launch until it is done
         tl.extra.cuda.gdc_launch_dependents()
     h = _sum_partials(h_ptr, i, num_rows, offs_m, m_mask, offs_r, N_SLICES, N_SPLIT, BLOCK_M, BLOCK_R, True)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if EARLY_B:
-        acc = _rows_segment_dot(acc, h, s_lo, row_seg, bt0, scale0, r_mask0, y_ptr.dtype.element_ty)
-    s_first = s_lo + 1 if EARLY_B else s_lo
+    acc = _rows_segment_dot(acc, h, s_lo, row_seg, bt0, scale0, r_mask0, y_ptr.dtype.element_ty)
+    s_first = s_lo + 1
     if FOR_LOOP:
         # empty when no row of the tile is in a segment
         for seg in range(s_first, s_hi + 1):
@@ -634,15 +467,14 @@ def lora_expand_rows_kernel(
         while seg <= s_hi:
             bt, scale, r_mask = _rows_segment_b(
                 seg, True, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots,
-                i, RANK_ALIGNED, W_ALIGN, SEG_TABLES,
+                i, RANK_ALIGNED, W_ALIGN, SEG_TABLES, False,
             )  # fmt: skip
             acc = _rows_segment_dot(acc, h, seg, row_seg, bt, scale, r_mask, y_ptr.dtype.element_ty)
             seg += 1
     # Y after the loop: loaded before it, its tile and 64-bit addresses held across the loop
     # double the registers per thread (compiled for sm_90: 80 -> 168 with 128-column tiles)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + col_lo + offs_n[None, :]
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    _write_y(y_ptrs, _read_y(y_ptrs, y_mask, ATOMIC_Y), acc, y_mask, ATOMIC_Y)
+    _add_y(y_ptrs, acc, m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -671,8 +503,7 @@ def _ld_opaque(ptr, ASM: tl.constexpr):
 @triton.jit
 def _rows_segment_b(
     seg, live, offs_n, n_mask, offs_r, w_base, b_tab, rank_tab, scale_tab, seg_slots_ptr, n_slots, i,
-    RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, SEG_TABLES: tl.constexpr,
-    TABLE_ASM: tl.constexpr = False,
+    RANK_ALIGNED: tl.constexpr, W_ALIGN: tl.constexpr, SEG_TABLES: tl.constexpr, TABLE_ASM: tl.constexpr,
 ):  # fmt: skip
     """One segment's B tile [BLOCK_R, BLOCK_N] of slice i, its scale and its rank's mask (the
     tile is all masked off, and reads nothing, when live is false). TABLE_ASM: the table entries
@@ -717,7 +548,6 @@ __all__ = [
     "lora_expand_kernel",
     "lora_expand_pdl_kernel",
     "lora_expand_rows_kernel",
-    "lora_fused_kernel",
     "lora_shrink_pdl_kernel",
     "lora_shrink_kernel",
     "shrink_grid",

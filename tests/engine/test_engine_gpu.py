@@ -16,7 +16,7 @@ TOP_N = 2
 MARGIN = 0.1  # float32 top-2 logprob gap above which bf16 must pick the same greedy token
 LOGPROB_TOL = 0.1
 
-# ranks up to 16, so decode steps take the one-launch (fused) path; prefill steps take two launches
+# ranks up to 16, so decode steps take the split launch; prefill steps take the two-launch pair
 ADAPTERS = {
     "r8": (8, ["q_proj", "v_proj", "down_proj"]),
     "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
@@ -57,7 +57,7 @@ def test_mixed_batch_bf16_cuda_matches_cpu_float32(tmp_path) -> None:  # noqa: A
     outs_gpu = gpu.generate(prompts, params, adapters=adapters)
     outs_cpu = cpu.generate(prompts, params, adapters=adapters)
     # every group of both layers ran through the kernels; decode steps replayed CUDA graphs, whose
-    # capture recorded the fused kernel (calls are counted when launched from Python, not replayed)
+    # capture recorded the split launch (calls are counted when launched from Python, not replayed)
     assert set(be.calls) == {"qkv", "o", "gate_up", "down"}
     assert gpu.engine.graph_replays == STEPS - 1
     assert any(p is not None for p in be._plans.values())

@@ -1,7 +1,8 @@
 """Compile the LoRA kernels (`lora/triton_kernels.py`) for sm_90 on a machine without a GPU
-(`helpers/sm90.py`; `test_lora_compile.py` runs this in a subprocess): the fused kernel with and
-without PDL, its two halves as separate launches, and the two-launch shrink/expand pair, at the
-decode target's tiling (3 slices, rank tile 16) and the prefill tiling.
+(`helpers/sm90.py`; `test_lora_compile.py` runs this in a subprocess): the split launch's kernels
+with and without PDL (and per-step segment tables), and the two-launch shrink/expand pair at the
+decode and the prefill tiling, for 3 slices at rank tile 16. (`benchmarks/lora_kernel_code.py`
+dumps the code of every launch the engine's paths make.)
 
     python -m lora.sm90_compile_lora [DIR]   # from tests/; DIR: also write each kernel's PTX there
 """
@@ -17,71 +18,34 @@ from helpers.sm90 import compile_sm90
 from loraplex.lora import triton_kernels as tk
 
 POINTERS = {name: "*bf16" for name in ("x_ptr", "y_ptr", "w_base")}
-POINTERS.update(
-    h_ptr="*fp32", scale_tab="*fp32", cnt_ptr="*i32", err_ptr="*i32", rank_tab="*i32", row_seg_ptr="*i32"
-)
+POINTERS.update(h_ptr="*fp32", scale_tab="*fp32", rank_tab="*i32", row_seg_ptr="*i32")
 POINTERS.update(
     {name: "*i64" for name in ("row_perm_ptr", "seg_offsets_ptr", "seg_slots_ptr", "a_tab", "b_tab")}
 )
 
 COMMON = dict(N_SLICES=3, RANK_ALIGNED=True, W_ALIGN=8, BLOCK_R=16)
 SHRINK = dict(SLICE_MASK=7, BLOCK_K=128, BLOCK_RC=16, K_CHUNK=256)
-EXPAND = dict(COLS_ALIGNED=True, BLOCK_N=256, N_SUB=1)
+EXPAND = dict(COLS_ALIGNED=True, BLOCK_N=256)
 
 
 def kernels() -> dict[str, tuple]:
     """name -> (kernel, constexprs, num_warps, num_stages)"""
     out: dict[str, tuple] = {}
-    for pdl in (0, 1, 2):
-        consts = dict(COMMON, **SHRINK, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl)
-        out[f"fused_pdl{pdl}"] = (tk.lora_fused_kernel, consts, 4, 3)
     for pdl in (0, 1):
         out[f"shrink_pdl{pdl}"] = (
             tk.lora_shrink_pdl_kernel,
-            dict(
-                COMMON,
-                **SHRINK,
-                BLOCK_M=16,
-                N_SPLIT=16,
-                USE_PDL=pdl,
-                SEG_TABLES=bool(pdl),
-            ),  # fmt: skip
+            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl)),
             2,
             3,
         )
         consts = dict(COMMON, **EXPAND, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl))
-        out[f"expand_pdl{pdl}"] = (tk.lora_expand_pdl_kernel, consts, 4, 3)
-        # two tiles per program (both B tiles loaded before the wait), and a looped third
-        for sub in (2, 3):
-            out[f"expand_pdl{pdl}_sub{sub}"] = (tk.lora_expand_pdl_kernel, dict(consts, N_SUB=sub), 4, 3)
-        # Y updated by atomic adds (no read of Y)
-        out[f"expand_pdl{pdl}_atomic_y"] = (tk.lora_expand_pdl_kernel, dict(consts, ATOMIC_Y=True), 4, 3)
-        # row tiles spanning segments, a pipelined loop over their segments
+        out[f"expand_pdl{pdl}"] = (tk.lora_expand_pdl_kernel, consts, 4, 4)
+        # row tiles spanning segments, a pipelined loop over their segments, table entries by
+        # inline-assembly loads (B the loop's only pipelined load), as on CUDA
         consts = dict(COMMON, COLS_ALIGNED=True, BLOCK_M=16, BLOCK_N=128, N_SPLIT=16, USE_PDL=pdl)
-        out[f"expand_rows_pdl{pdl}"] = (
-            tk.lora_expand_rows_kernel,
-            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True),
-            4,
-            4,
-        )
-        # the first segment's B tile loaded before the wait, table entries by pipelined loads
-        out[f"expand_rows_pdl{pdl}_early_b"] = (
-            tk.lora_expand_rows_kernel,
-            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, EARLY_B=True),
-            4,
-            4,
-        )
-        # table entries by inline-assembly loads (B the loop's only pipelined load)
         out[f"expand_rows_pdl{pdl}_table_asm"] = (
             tk.lora_expand_rows_kernel,
-            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True, EARLY_B=True, TABLE_ASM=True),
-            4,
-            4,
-        )
-        # Y updated by atomic adds
-        out[f"expand_rows_pdl{pdl}_atomic_y"] = (
-            tk.lora_expand_rows_kernel,
-            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, ATOMIC_Y=True),
+            dict(consts, SEG_TABLES=bool(pdl), FOR_LOOP=True, TABLE_ASM=True),
             4,
             4,
         )

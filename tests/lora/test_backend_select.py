@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import fields, replace
 
-import pytest
 import torch
 
 from loraplex.lora.backend import make_lora_backend
@@ -13,13 +13,12 @@ from loraplex.lora.ops_torch import TorchLoRABackend
 from loraplex.lora.triton_config import (
     DECODE,
     PREFILL,
+    DecodeTiling,
     block_r_for,
-    blocks_per_sm,
     pick_tiling,
-    plan_fused,
+    plan_split,
     row_loop_applies,
     split_k,
-    with_overrides,
 )
 
 
@@ -50,45 +49,33 @@ def test_tiling_choice_and_split() -> None:
     assert s.n_split == DECODE.max_split and (s.n_split - 1) * s.k_chunk < 14336
 
 
-@pytest.mark.parametrize("expand_sub", [0, 1, 2], ids=["all-resident", "streamed1", "streamed2"])
-def test_fused_plan_fits_the_budget_and_covers_every_column(expand_sub: int) -> None:
+def test_tilings_hash_by_value() -> None:
+    # the backend's per-call caches key on the tiling: equal tilings must share entries
+    assert hash(replace(DECODE)) == hash(DECODE) and replace(DECODE) == DECODE
+    assert hash(replace(DECODE, split_per_sm=5)) != hash(DECODE)
+    assert isinstance(DECODE, DecodeTiling) and not isinstance(PREFILL, DecodeTiling)
+    assert len(fields(PREFILL)) < len(fields(DECODE))
+
+
+def test_split_plan_fits_the_budget_and_covers_every_column() -> None:
     llama = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
-    tiling = with_overrides(DECODE, fused_expand_sub=expand_sub)
     for tiles, block_r in ((1, 16), (32, 16), (32, 64), (64, 16), (128, 32)):
         r_chunks = block_r // DECODE.shrink_block_r
         for d_in, widths in llama.values():
-            plan = plan_fused(tiling, tiles, r_chunks, d_in, widths, block_r, num_sms=132)
-            assert plan is not None and plan.resident <= 132 * DECODE.fused_per_sm
-            # all resident: every program at once; streamed: only the shrinks (expands start later)
-            assert plan.resident == (plan.n_shrink if expand_sub else plan.programs)
-            assert not expand_sub or plan.n_sub == expand_sub
+            plan = plan_split(DECODE, tiles, r_chunks, d_in, widths, block_r, num_sms=132)
+            assert plan is not None and plan.n_shrink <= 132 * DECODE.per_sm_for(block_r, d_in)
             assert plan.n_shrink == tiles * r_chunks * plan.split.n_split
             n, k = plan.split.n_split, plan.split.k_chunk
             assert n * k >= d_in > (n - 1) * k
-            assert plan.block_n * block_r <= DECODE.fused_tile_elems
-            cols = plan.block_n * plan.n_sub
+            assert k // DECODE.block_k >= DECODE.split_min_k_steps or n == 1
             for w, c in zip(widths, plan.chunks, strict=False):
-                assert c * cols >= w > (c - 1) * cols  # every column once, no idle program
+                assert c * plan.block_n >= w > (c - 1) * plan.block_n  # every column once, no idle program
             assert plan.n_expand == tiles * sum(plan.chunks)
     # a slice nobody adapts (width 0) gets no expand programs
-    plan = plan_fused(tiling, 8, 1, 4096, (4096, 0, 1024), 16, num_sms=132)
+    plan = plan_split(DECODE, 8, 1, 4096, (4096, 0, 1024), 16, num_sms=132)
     assert plan is not None and plan.chunks[1] == 0
-    # no room: the two-launch path; not fused at all: likewise
-    assert plan_fused(tiling, 64, 4, 4096, (4096,), 64, num_sms=4, per_sm=1) is None
-    assert plan_fused(with_overrides(DECODE, fused=False), 1, 1, 4096, (4096,), 16, num_sms=132) is None
-    assert plan_fused(PREFILL, 1, 1, 4096, (4096,), 16, num_sms=132) is None
-
-
-def test_blocks_per_sm_from_resources() -> None:
-    class Hopper:  # torch.cuda.get_device_properties fields used
-        regs_per_multiprocessor = 65536
-        shared_memory_per_multiprocessor = 233472
-        max_threads_per_multi_processor = 2048
-
-    assert blocks_per_sm(104, 32768, 4, Hopper()) == 4  # registers bound: 13 x 256 per warp
-    assert blocks_per_sm(64, 16384, 4, Hopper()) == 8  # registers bound
-    assert blocks_per_sm(32, 100_000, 4, Hopper()) == 2  # shared memory bound
-    assert blocks_per_sm(16, 0, 8, Hopper()) == 8  # threads bound
+    # no room for even one K chunk per row tile: the two-launch path
+    assert plan_split(DECODE, 64, 4, 4096, (4096,), 64, num_sms=4) is None
 
 
 def test_row_loop_applies_to_wide_groups_with_short_segments_at_small_rank_tiles() -> None:
@@ -99,39 +86,29 @@ def test_row_loop_applies_to_wide_groups_with_short_segments_at_small_rank_tiles
     assert not row_loop_applies(DECODE, rows=64, segments=0)
     assert not row_loop_applies(DECODE, rows=64, segments=32, block_r=64, width=28672)  # mixed ranks
     assert not row_loop_applies(DECODE, rows=64, segments=32, block_r=16, width=6144)  # qkv
-    assert not row_loop_applies(with_overrides(DECODE, row_loop_min_width=0), rows=64, segments=32)
 
 
 def test_narrow_budget_and_stages_apply_at_rank_tile_16_only() -> None:
-    tiling = with_overrides(
-        DECODE, fused_per_sm=6, narrow_per_sm=2, split_shrink_stages=4, narrow_shrink_stages=6
-    )
-    assert (tiling.per_sm_for(16), tiling.shrink_stages_for(16)) == (2, 6)
-    assert (tiling.per_sm_for(64), tiling.shrink_stages_for(64)) == (6, 4)
+    assert (DECODE.per_sm_for(16, 4096), DECODE.shrink_stages_for(16, 8)) == (2, 8)
+    assert (DECODE.per_sm_for(64, 4096), DECODE.shrink_stages_for(64, 8)) == (6, 4)
     # the decode target's gate_up (K = 4096, 32 row tiles, 132 SMs): a budget of 2 per SM leaves
-    # 8 K chunks of 512; at rank tile 64 (4 rank chunks per K chunk) the budget of 6 still applies
-    narrow = plan_fused(tiling, 32, 1, 4096, (14336, 14336), 16, 132)
+    # 8 K chunks of 512; at rank tile 64 (4 rank chunks per K chunk) the budget of 6 applies
+    narrow = plan_split(DECODE, 32, 1, 4096, (14336, 14336), 16, 132)
     assert narrow is not None and narrow.split.n_split == 8 and narrow.n_shrink == 256
-    wide = plan_fused(tiling, 32, 4, 4096, (14336, 14336), 64, 132)
-    assert (
-        wide is not None
-        and wide.split.n_split == plan_fused(DECODE, 32, 4, 4096, (14336, 14336), 64, 132).split.n_split
-    )
-    assert tiling.shrink_stages_for(16, k_steps=2) == 4  # no more buffers than K steps need
-    unset = with_overrides(tiling, narrow_per_sm=0, narrow_shrink_stages=0)
-    assert (unset.per_sm_for(16), unset.shrink_stages_for(16)) == (6, 4)
+    wide = plan_split(DECODE, 32, 4, 4096, (14336, 14336), 64, 132)
+    assert wide is not None and wide.split.n_split == 6 and wide.n_shrink == 768
+    assert DECODE.shrink_stages_for(16, k_steps=2) == 4  # no more buffers than K steps need
 
 
 def test_long_k_budget_applies_to_long_reductions_at_rank_tile_16() -> None:
     # down (K = 14336) gets 3 programs per SM at rank tile 16; qkv/o/gate_up (K = 4096) keep 2, and
     # rank tile 64 keeps the wide budget whatever K is
-    tiling = with_overrides(DECODE, fused_per_sm=6, narrow_per_sm=2, long_k_min=8192, long_k_per_sm=3)
-    assert (tiling.per_sm_for(16, 14336), tiling.per_sm_for(16, 4096), tiling.per_sm_for(64, 14336)) == (
+    assert (DECODE.per_sm_for(16, 14336), DECODE.per_sm_for(16, 4096), DECODE.per_sm_for(64, 14336)) == (
         3,
         2,
         6,
     )
-    down = plan_fused(tiling, 32, 1, 14336, (4096,), 16, 132)
+    down = plan_split(DECODE, 32, 1, 14336, (4096,), 16, 132)
     assert down is not None and down.n_shrink == 384 and down.split.k_chunk == 1280  # 12 chunks of 10 steps
-    without = plan_fused(with_overrides(tiling, long_k_per_sm=0), 32, 1, 14336, (4096,), 16, 132)
+    without = plan_split(replace(DECODE, split_long_k_per_sm=2), 32, 1, 14336, (4096,), 16, 132)
     assert without is not None and without.n_shrink == 256

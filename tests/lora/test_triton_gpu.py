@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -35,20 +37,10 @@ def _backend(tiling=None):  # noqa: ANN001, ANN202
 
 
 def _two_launch():  # noqa: ANN202
-    from loraplex.lora.triton_config import DECODE, with_overrides
+    # the decode tiling with no rank tile small enough for the split launch: the two-launch path
+    from loraplex.lora.triton_config import DECODE
 
-    return with_overrides(DECODE, fused=False)
-
-
-def _fused_any_rank(**kw):  # noqa: ANN003, ANN202
-    # the default takes the one-launch path for rank tiles up to 16 only; tests cover every rank
-    from loraplex.lora.triton_config import DECODE, with_overrides
-
-    return with_overrides(DECODE, fused_max_rank=64, **kw)
-
-
-def _counters_zero(be) -> bool:  # noqa: ANN001
-    return all(not c.any().item() for c in be._counters.values())
+    return replace(DECODE, split_max_rank=0)
 
 
 def _check(be, slots: list[int], table, shapes, seed: int = 0) -> None:  # noqa: ANN001
@@ -71,7 +63,6 @@ def _check(be, slots: list[int], table, shapes, seed: int = 0) -> None:  # noqa:
         d_err = row_errors((y.float() - y0.float())[lora_rows], (y_ref - y0.float())[lora_rows])
         assert d_err.max().item() <= 2 * TOL, (group, d_err.max().item())
         assert torch.equal(y[base_rows], y0[base_rows]), group  # bit-identical
-        assert _counters_zero(be), group  # the fused kernel leaves its arrival counters zeroed
 
 
 @pytest.mark.parametrize("popularity", POPULARITIES)
@@ -97,24 +88,11 @@ def test_llama3_shapes_rows_1_to_8192(rows: int) -> None:
     _check(_backend(), slots, table, LLAMA3_8B_SHAPES)
 
 
-@pytest.mark.parametrize(
-    "form",
-    [
-        dict(),
-        dict(atomic_y=False),
-        dict(row_loop_early_b=False, row_loop_table_asm=False),  # the night of 2026-11-29's form
-        dict(row_loop_early_b=False, row_loop_stages=6),  # B tiles 5 ahead
-    ],
-    ids=str,
-)
 @pytest.mark.parametrize("rows", [24, 64])
-def test_llama3_gate_up_row_loop_expand(rows: int, form: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama3_gate_up_row_loop_expand(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # the decode default at rank 16 with segments of about two rows: gate_up (2 x 14336 columns)
-    # takes the row-loop expand, whose row tiles span several segments; the other groups do not.
-    # Y updated by atomic adds (the default) and read and written.
-    from loraplex.lora.triton_config import DECODE, with_overrides
-
-    be = _backend(with_overrides(DECODE, **form))
+    # takes the row-loop expand, whose row tiles span several segments; the other groups do not
+    be = _backend()
     launched: list[object] = []
     real = be._k.lora_expand_rows_kernel
 
@@ -130,44 +108,35 @@ def test_llama3_gate_up_row_loop_expand(rows: int, form: dict, monkeypatch: pyte
     assert len(launched) == 1  # gate_up only
 
 
-@pytest.mark.parametrize("path", ["split launch", "one launch", "two launches"])
+@pytest.mark.parametrize("path", ["split launch", "two launches"])
 def test_segments_of_one_row_many_adapters(path: str) -> None:
-    # the fused plan as two PDL launches, as one launch with arrival counters, and the plain
-    # shrink + expand pair: the decode default is one of the first two, the other stays covered
+    # the decode default (the split launch, PDL-chained) and the plain shrink + expand pair
     table = make_table(random_ranks(64, (8, 16, 32, 64), seed=5), DTYPE, DEV, shapes=MID_SHAPES, seed=6)
-    tiling = {
-        "split launch": _fused_any_rank(fused_split_launch=True),
-        "one launch": _fused_any_rank(fused_split_launch=False),
-        "two launches": _two_launch(),
-    }[path]
-    be = _backend(tiling)
+    be = _backend(None if path == "split launch" else _two_launch())
     _check(be, list(range(64)), table, MID_SHAPES)
     assert any(p is not None for p in be._plans.values()) == (path != "two launches")
-    be.check_health()  # raises if an expand program of the one-launch form gave up waiting
-    assert _counters_zero(be)
 
 
-def test_decode_shapes_fused_plans_fit_and_two_launch_agree() -> None:
-    # Llama-3-8B decode, 64 rows over 32 adapters: every group takes the one-launch path, and the
+def test_decode_shapes_split_plans_fit_and_two_launch_agree() -> None:
+    # Llama-3-8B decode, 64 rows over 32 adapters: every group takes the split launch, and the
     # two-launch path on the same inputs gives the same result to bf16 rounding.
     table = make_table([16] * 32, DTYPE, DEV, shapes=LLAMA3_8B_SHAPES, seed=9)
     slots = spread(64, 32, seed=64)
     meta = LoRABatchMetadata.build(slots, table, DEV)
-    fused, two = _backend(), _backend(_two_launch())
+    split, two = _backend(), _backend(_two_launch())
     for group, (d_in, widths) in LLAMA3_8B_SHAPES.items():
         offs = slice_offsets(widths)
         x = torch.randn(64, d_in, device=DEV).to(DTYPE)
         y0 = torch.randn(64, offs[-1], device=DEV).to(DTYPE)
         ya, yb = y0.clone(), y0.clone()
-        fused.apply(ya, x, meta, table, 0, group, offs)
+        split.apply(ya, x, meta, table, 0, group, offs)
         two.apply(yb, x, meta, table, 0, group, offs)
         y_ref = reference(y0, x, meta, table, 0, group, offs)
         assert row_errors(ya, y_ref).max().item() <= TOL and row_errors(yb, y_ref).max().item() <= TOL
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    plans = [p for p in fused._plans.values() if p is not None]
-    # the programs that must be resident at once fit (streamed expand programs start later)
-    assert len(plans) == 4 and all(p.resident <= 32 * sms for p in plans)
-    assert _counters_zero(fused)
+    plans = [p for p in split._plans.values() if p is not None]
+    # the shrink grids keep to the budget (expand programs start as shrink programs finish)
+    assert len(plans) == 4 and all(p.n_shrink <= 6 * sms for p in plans)
 
 
 def _kernel_launches(fn) -> int:  # noqa: ANN001
@@ -182,7 +151,6 @@ def _kernel_launches(fn) -> int:  # noqa: ANN001
 
 def test_launch_counts_with_profiler() -> None:
     from loraplex.lora.ops_triton import TritonLoRABackend
-    from loraplex.lora.triton_config import DECODE
 
     table = make_table([16, 8], DTYPE, DEV, shapes=SMALL_SHAPES, seed=7, targets=[("q", "v", "up"), ("k",)])
     be = TritonLoRABackend()
@@ -195,10 +163,9 @@ def test_launch_counts_with_profiler() -> None:
             be.apply(ys[g], xs[g], meta, table, 0, g, slice_offsets(widths))
 
     run(meta)  # compile, build the device tables
-    # decode-shaped: qkv (three slices) and gate_up (only up adapted) on the fused plan, as one
-    # launch each or as two (shrink, expand: the split-launch form); o, down: none
-    per_group = 2 if DECODE.fused_split_launch else 1
-    assert _kernel_launches(lambda: run(meta)) == 2 * per_group
+    # decode-shaped: qkv (three slices) and gate_up (only up adapted) on the split launch (shrink,
+    # expand); o, down: none
+    assert _kernel_launches(lambda: run(meta)) == 4
     empty = LoRABatchMetadata.build([-1, -1, -1, -1, -1], table, DEV)
     assert _kernel_launches(lambda: run(empty)) == 0
     # prefill-shaped (a 40-row segment) and the two-launch path: at most two launches per group
@@ -212,13 +179,11 @@ def test_launch_counts_with_profiler() -> None:
     assert _kernel_launches(lambda: run(meta)) == 4
 
 
-@pytest.mark.parametrize("pdl", [True, False])
-def test_cuda_graph_replay_follows_new_inputs(pdl: bool) -> None:
+def test_cuda_graph_replay_follows_new_inputs() -> None:
     from loraplex.lora.ops_triton import TritonLoRABackend
-    from loraplex.lora.triton_config import DECODE, with_overrides
 
     table = make_table([8, 64, 16], DTYPE, DEV, shapes=MID_SHAPES, seed=8)
-    be = TritonLoRABackend(with_overrides(DECODE, pdl=pdl, fused_max_rank=64))
+    be = TritonLoRABackend()
     slots = [2, 0, -1, 1, 1, 2, 0]
     meta = LoRABatchMetadata.build(slots, table, DEV)
     d_in, widths = MID_SHAPES["qkv"]
@@ -241,53 +206,28 @@ def test_cuda_graph_replay_follows_new_inputs(pdl: bool) -> None:
         assert row_errors(y, reference(y0, x, meta, table, 0, "qkv", offs)).max().item() <= TOL
 
 
-ROW_LOOP_EVERYWHERE = dict(
-    fused_split_launch=True, row_loop_min_width=1, row_loop_max_rank=64, row_loop_max_avg_rows=64.0
-)
+# the row-loop expand for every group at every rank tile (the mixed ranks here reach 64)
+ROW_LOOP_EVERYWHERE = dict(row_loop_min_width=1, row_loop_max_rank=64, row_loop_max_avg_rows=64.0)
+# (decode tiling overrides, whether the captured step gathers per-step segment tables)
 WHOLE_LAYER_VARIANTS = {
-    "one launch, pdl": dict(pdl=True, fused_split_launch=False, fused_warps=4),
-    "one launch, no pdl": dict(pdl=False, fused_split_launch=False, fused_warps=4),
-    "pdl, split launch, 4 warps": dict(pdl=True, fused_split_launch=True, fused_warps=4),
-    "split launch": dict(pdl=False, fused_split_launch=True),
-    "pdl, split launch, 2 warps": dict(pdl=True, fused_split_launch=True, fused_warps=2),
-    "pdl, split launch, 4/2 warps": dict(
-        pdl=True, fused_split_launch=True, fused_warps=4, split_expand_warps=2
-    ),
-    "pdl, split launch, segment tables": dict(pdl=True, fused_split_launch=True, seg_tables=True),
-    "pdl, split launch, slot tables": dict(pdl=True, fused_split_launch=True, seg_tables=False),
-    # the row-loop expand for every group at every rank tile (the mixed ranks here reach 64)
-    "pdl, split launch, row-loop expand": dict(pdl=True, **ROW_LOOP_EVERYWHERE),
-    "pdl, split launch, row-loop expand, segment tables": dict(
-        pdl=True, seg_tables=True, **ROW_LOOP_EVERYWHERE
-    ),
-    "split launch, row-loop expand": dict(pdl=False, **ROW_LOOP_EVERYWHERE),
-    "pdl, split launch, Y read and written": dict(pdl=True, fused_split_launch=True, atomic_y=False),
-    "pdl, split launch, row-loop expand, Y read and written": dict(
-        pdl=True, atomic_y=False, **ROW_LOOP_EVERYWHERE
-    ),
-    "pdl, split launch, 2 tiles per expand program": dict(
-        pdl=True, fused_split_launch=True, fused_expand_sub=2
-    ),
-    # the row loop (every group, every rank tile) with its first B tile before the wait and table
-    # entries by inline assembly, as the default has it for gate_up at rank tile 16; and without
-    "pdl, split launch, row-loop expand, early B tile, table entries by inline assembly": dict(
-        pdl=True, row_loop_early_b=True, row_loop_table_asm=True, **ROW_LOOP_EVERYWHERE
-    ),
-    "pdl, split launch, row-loop expand, pipelined table entries": dict(
-        pdl=True, row_loop_early_b=False, row_loop_table_asm=False, **ROW_LOOP_EVERYWHERE
-    ),
+    "split launch, segment tables": ({}, None),
+    "split launch, slot tables": ({}, False),
+    "split launch, row-loop expand, segment tables": (ROW_LOOP_EVERYWHERE, None),
+    "split launch, row-loop expand, slot tables": (ROW_LOOP_EVERYWHERE, False),
+    "two launches": ({"split_max_rank": 0}, None),
 }
 
 
 @pytest.mark.parametrize("variant", list(WHOLE_LAYER_VARIANTS))
 def test_cuda_graph_whole_layer_back_to_back(variant: str) -> None:
-    # the four groups' fused kernels back to back in one graph (with PDL each may start while the
-    # one before finishes), replayed with new x and y; counters must be zero after every replay
+    # the four groups' launches back to back in one graph (with PDL each may start while the one
+    # before finishes), replayed with new x and y
     from loraplex.lora.ops_triton import TritonLoRABackend
-    from loraplex.lora.triton_config import DECODE, with_overrides
+    from loraplex.lora.triton_config import DECODE
 
+    overrides, replayed = WHOLE_LAYER_VARIANTS[variant]
     table = make_table(random_ranks(12, (8, 16, 32, 64), seed=20), DTYPE, DEV, shapes=MID_SHAPES, seed=21)
-    be = TritonLoRABackend(with_overrides(DECODE, fused_max_rank=64, **WHOLE_LAYER_VARIANTS[variant]))
+    be = TritonLoRABackend(replace(DECODE, **overrides))
     slots = adapter_choices(24, 12, "zipf:1.1", seed=22)
     slots[3] = -1
     meta = LoRABatchMetadata.build(slots, table, DEV)
@@ -296,7 +236,7 @@ def test_cuda_graph_whole_layer_back_to_back(variant: str) -> None:
     ys = {g: torch.randn(24, offs[g][-1], device=DEV, dtype=DTYPE) for g in MID_SHAPES}
 
     def layer() -> None:
-        be.begin_step(meta, table, DEV)  # as the engine's forward does (captured with it)
+        be.begin_step(meta, table, DEV, replayed)  # as the engine's forward does (captured with it)
         for g in MID_SHAPES:
             be.apply(ys[g], xs[g], meta, table, 0, g, offs[g])
 
@@ -306,7 +246,8 @@ def test_cuda_graph_whole_layer_back_to_back(variant: str) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         layer()
-    assert all(p is not None for p in be._plans.values())
+    plans = list(be._plans.values())
+    assert all(p is not None for p in plans) and bool(plans) == ("split_max_rank" not in overrides)
     for seed in (3, 4, 5):
         g = torch.Generator(device=DEV).manual_seed(seed)
         y0 = {}
@@ -320,4 +261,3 @@ def test_cuda_graph_whole_layer_back_to_back(variant: str) -> None:
             y_ref = reference(y0[grp], xs[grp], meta, table, 0, grp, offs[grp])
             assert row_errors(ys[grp], y_ref).max().item() <= TOL, (seed, grp)
             assert torch.equal(ys[grp][3], y0[grp][3])
-        assert _counters_zero(be)

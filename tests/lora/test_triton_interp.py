@@ -8,6 +8,7 @@ process-wide, so it is only set where there is no GPU to leak into).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,26 +25,19 @@ from lora.lora_cases import SMALL_SHAPES, make_table, random_ranks, reference, r
 from loraplex.bench.workloads import POPULARITIES, adapter_choices  # noqa: E402
 from loraplex.lora.metadata import LoRABatchMetadata, StaticLoRAShape  # noqa: E402
 from loraplex.lora.ops_triton import TritonLoRABackend  # noqa: E402
-from loraplex.lora.triton_config import DECODE, PREFILL, with_overrides  # noqa: E402
+from loraplex.lora.triton_config import DECODE, PREFILL, DecodeTiling  # noqa: E402
 from loraplex.lora.weights import AdapterWeights, LoRAPair  # noqa: E402
 
 DTYPE = torch.float32  # the interpreter runs fp32/fp16 only
-# Split K even at these tiny sizes, so the partial-sum path is exercised too.
-SPLIT_DECODE = with_overrides(DECODE, block_k=16, max_split=4, fused=False)  # the two-launch path
-SMALL_PREFILL = with_overrides(PREFILL, block_m=16, block_k=16, block_n=32, n_chunk=64)
-# The one-launch path at small sizes: 16-column expand tiles, K split in up to 3 chunks of >= 32.
-FUSED_DECODE = with_overrides(
-    DECODE,
-    block_k=16,
-    fused_block_n=16,
-    fused_tile_elems=256,
-    fused_per_sm=64,
-    fused_max_rank=64,
-    fused_expand_sub=0,
-    fused_split_launch=False,  # the one-launch form with counters; the split launch: HANDOFFS
-    seg_tables=False,  # slot tables; the split-launch variants below add segment tables where named
-    atomic_y=False,  # Y read and written; variants below add atomic updates where named
-)
+# The split launch at these tiny sizes: K split in chunks of >= 2 steps of 16, 16-column expand
+# tiles; at rank tile 16 the budget is 2 programs per SM, so `sms` bounds the K split.
+SMALL_DECODE = replace(DECODE, block_k=16, split_block_n=16)
+# ... with the row-loop expand for every group and rank tile (16-column tiles)
+ROW_LOOP_DECODE = replace(SMALL_DECODE, row_loop_min_width=1, row_loop_max_rank=64, row_loop_block_n=16)
+# The two-launch path on decode-shaped steps (split K even at these sizes, so the partial-sum path
+# is exercised too): no rank tile is small enough for the split launch.
+SPLIT_DECODE = replace(DECODE, block_k=16, max_split=4, split_max_rank=0)
+SMALL_PREFILL = replace(PREFILL, block_m=16, block_k=16, block_n=32, n_chunk=64)
 CPU = torch.device("cpu")
 
 
@@ -54,7 +48,7 @@ def _backend(tiling=None, sms: int = 4) -> TritonLoRABackend:  # noqa: ANN001
     return be
 
 
-def _fused_plans(be: TritonLoRABackend) -> list:
+def _split_plans(be: TritonLoRABackend) -> list:
     return [p for p in be._plans.values() if p is not None]
 
 
@@ -64,11 +58,12 @@ def _check_all_groups(
     table,  # noqa: ANN001
     seed: int = 0,
     groups: tuple[str, ...] = tuple(SMALL_SHAPES),
+    replayed: bool = True,
 ) -> None:
     meta = LoRABatchMetadata.build(slots, table)
-    be.begin_step(meta, table, CPU, replayed=True)  # as a captured step begins (a no-op for most tilings)
-    if be.tiling is not None and be.tiling.reads_segment_tables:
-        assert be._segment_tables(meta, be.device_table(CPU)) is not None
+    be.begin_step(meta, table, CPU, replayed=replayed)  # as a captured step begins (or an eager one)
+    if isinstance(be.tiling or DECODE, DecodeTiling):
+        assert (be._segment_tables(meta, be.device_table(CPU)) is not None) == replayed
     gen = torch.Generator().manual_seed(seed)
     base_rows = [i for i, s in enumerate(slots) if s == -1]
     for group in groups:
@@ -82,8 +77,6 @@ def _check_all_groups(
         lora_rows = [i for i, s in enumerate(slots) if s != -1]
         assert row_errors(y[lora_rows], y_ref[lora_rows]).max() <= 1e-4, group
         assert torch.equal(y[base_rows], y0[base_rows]), group
-        for counters in be._counters.values():  # the fused kernel leaves its counters zeroed
-            assert not counters.any(), group
 
 
 @pytest.mark.parametrize("popularity", POPULARITIES)
@@ -133,18 +126,28 @@ def test_partial_targets_leave_untargeted_slices_untouched() -> None:
         assert be.total_calls == before and torch.equal(yo, keep)
 
 
+KERNELS = (
+    "lora_shrink_kernel",
+    "lora_expand_kernel",
+    "lora_shrink_pdl_kernel",
+    "lora_expand_pdl_kernel",
+    "lora_expand_rows_kernel",
+)
+
+
+class Boom:
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        raise AssertionError("kernel launched where none should be")
+
+
 def test_no_lora_rows_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     table = make_table([16], DTYPE, "cpu")
     meta = LoRABatchMetadata.build([-1, -1, -1], table)
     be = _backend()
-
-    class Boom:
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            raise AssertionError("kernel launched for a batch without LoRA rows")
-
-    monkeypatch.setattr(be._k, "lora_shrink_kernel", Boom())
-    monkeypatch.setattr(be._k, "lora_expand_kernel", Boom())
+    for name in KERNELS:
+        monkeypatch.setattr(be._k, name, Boom())
     y = torch.randn(3, 128)
+    be.begin_step(meta, table, CPU)
     for group, (d_in, widths) in SMALL_SHAPES.items():
         be.apply(y[:, : sum(widths)], torch.randn(3, d_in), meta, table, 0, group, slice_offsets(widths))
     assert be.total_calls == 0
@@ -181,46 +184,41 @@ def test_mixed_layers_use_each_layers_weights() -> None:
         assert row_errors(y, reference(y0, x, meta, table, layer, "gate_up", offs)).max() <= 1e-4
 
 
-# --- the one-launch (fused) path -------------------------------------------------------------------
+# --- the split launch (decode) ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("replayed", [True, False], ids=["segment-tables", "slot-tables"])
+@pytest.mark.parametrize("tiling", [SMALL_DECODE, ROW_LOOP_DECODE], ids=["expand", "row-loop-expand"])
 @pytest.mark.parametrize("popularity", POPULARITIES)
-def test_fused_popularity_mixed_ranks(popularity: str) -> None:
+def test_split_launch_popularity_mixed_ranks(popularity: str, tiling, replayed: bool) -> None:  # noqa: ANN001
+    # a step run as graph replays reads the per-step segment tables, an eager one the slot tables
     ranks = random_ranks(6, (8, 16, 32, 64), seed=11)
     table = make_table(ranks, DTYPE, "cpu", seed=12)
     slots = adapter_choices(14, len(ranks), popularity, seed=13)
     slots[4] = -1
-    be = _backend(FUSED_DECODE, sms=8)
-    _check_all_groups(be, slots, table)
-    plans = _fused_plans(be)
+    be = _backend(tiling, sms=8)
+    _check_all_groups(be, slots, table, replayed=replayed)
+    plans = _split_plans(be)
     assert len(plans) == 4 and any(p.split.n_split > 1 for p in plans)
 
 
-def test_fused_segments_of_one_row_and_tail_tiles() -> None:
+@pytest.mark.parametrize("tiling", [SMALL_DECODE, ROW_LOOP_DECODE], ids=["expand", "row-loop-expand"])
+def test_split_launch_segments_of_one_row_and_tail_tiles(tiling) -> None:  # noqa: ANN001
     # 9 adapters of one row each, plus one 20-row segment: two row tiles per segment, the second
-    # one empty for every short segment (its programs must still arrive and count out)
-    ranks = random_ranks(10, (8, 16, 32, 64), seed=14)
-    table = make_table(ranks, DTYPE, "cpu", seed=15)
-    slots = [0, 1, 2, -1, 3, 4, 5, 6, 7, 8] + [9] * 20 + [-1]
-    be = _backend(FUSED_DECODE, sms=16)
-    _check_all_groups(be, slots, table)
-    assert len(_fused_plans(be)) == 4
+    # one empty for every short segment; at rank tile 16 (the row loop's) too
+    for ranks in (random_ranks(10, (8, 16, 32, 64), seed=14), [16, 8] * 5):
+        table = make_table(ranks, DTYPE, "cpu", seed=15)
+        slots = [0, 1, 2, -1, 3, 4, 5, 6, 7, 8] + [9] * 20 + [-1]
+        be = _backend(tiling, sms=16)
+        _check_all_groups(be, slots, table)
+        assert len(_split_plans(be)) == 4
 
 
-def test_fused_tight_grid_takes_several_tiles_per_program() -> None:
-    table = make_table([16, 32, 8], DTYPE, "cpu", seed=16)
-    slots = [2, 0, 1, -1, 0, 2]
-    be = _backend(with_overrides(FUSED_DECODE, fused_per_sm=6), sms=4)  # 24 programs in all
-    _check_all_groups(be, slots, table)
-    plans = _fused_plans(be)
-    assert plans and all(p.programs <= 24 for p in plans) and any(p.n_sub > 1 for p in plans)
-
-
-def test_fused_partial_targets_and_repeated_calls() -> None:
+def test_split_launch_partial_targets_and_repeated_calls() -> None:
     # adapter 0 adapts q and up only, adapter 1 only v: compiled-out slices get no programs
     table = make_table([16, 8], DTYPE, "cpu", seed=17, targets=[("q", "up"), ("v",)])
-    be = _backend(FUSED_DECODE, sms=8)
-    for seed in range(3):  # counters reset by each launch: later calls are as right as the first
+    be = _backend(SMALL_DECODE, sms=8)
+    for seed in range(3):  # later calls (plans cached) are as right as the first
         _check_all_groups(be, [0, 1, 0, 1, -1], table, seed=seed, groups=("qkv", "gate_up"))
     x = torch.randn(5, 64)
     offs = slice_offsets(SMALL_SHAPES["qkv"][1])
@@ -233,66 +231,15 @@ def test_fused_partial_targets_and_repeated_calls() -> None:
     assert plan.chunks[1] == 0
 
 
-HANDOFFS = {
-    "counters, byte share": dict(fused_min_share=0.2, fused_max_share=0.8, fused_max_split=16),
-    "split launch": dict(fused_split_launch=True, split_expand_warps=2),
-    "split launch, one K step per chunk": dict(
-        fused_split_launch=True, fused_min_k_steps=1, fused_max_split=64
-    ),
-    "split launch, 2 tiles per expand program": dict(fused_split_launch=True, fused_expand_sub=2),
-    # per-step segment tables (`begin_step`): the kernels index tables by segment, not slot
-    "split launch, segment tables": dict(fused_split_launch=True, seg_tables=True),
-    # row tiles spanning segments, a loop over their segments (every group; 16-column B tiles)
-    "split launch, row-loop expand": dict(
-        fused_split_launch=True, row_loop_min_width=1, row_loop_tile_elems=256
-    ),
-    "split launch, row-loop expand, segment tables": dict(
-        fused_split_launch=True,
-        row_loop_min_width=1,
-        row_loop_tile_elems=256,
-        seg_tables=True,
-    ),
-    # Y updated by atomic adds instead of a read and a write, both expand kernels
-    "split launch, atomic Y": dict(fused_split_launch=True, atomic_y=True),
-    "split launch, row-loop expand, atomic Y": dict(
-        fused_split_launch=True, row_loop_min_width=1, row_loop_tile_elems=256, atomic_y=True
-    ),
-    # the row-loop expand's first segment's B tile loaded before the PDL wait
-    "split launch, row-loop expand, first B tile early": dict(
-        fused_split_launch=True,
-        row_loop_min_width=1,
-        row_loop_tile_elems=256,
-        row_loop_early_b=True,
-        seg_tables=True,
-        atomic_y=True,
-    ),
-}
-
-
-@pytest.mark.parametrize("handoff", list(HANDOFFS))
-def test_fused_handoff_variants(handoff: str) -> None:
-    # streamed expand programs after counters (the shrink's grid share by bytes), or as their own
-    # launch after the shrink's: results right, counters left zeroed
-    ranks = random_ranks(6, (8, 16, 32, 64), seed=31)
-    table = make_table(ranks, DTYPE, "cpu", seed=32)
-    slots = adapter_choices(14, len(ranks), "zipf", seed=33) + [-1] + [2] * 17
-    be = _backend(with_overrides(FUSED_DECODE, **{"fused_expand_sub": 1, **HANDOFFS[handoff]}), sms=8)
-    for seed in range(2):
-        _check_all_groups(be, slots, table, seed=seed)
-    assert len(_fused_plans(be)) == 4
-    partial = make_table([16, 8], DTYPE, "cpu", seed=34, targets=[("q", "up"), ("v",)])
-    _check_all_groups(be, [0, 1, 0, 1, -1], partial, groups=("qkv", "gate_up"))
-
-
 def test_calls_are_planned_per_step_and_tiling() -> None:
     # the per-step cache of what a group's calls share: a new step (other adapters, so other
     # adapted slices and segments) or a new tiling must not reuse the previous step's plan, and
     # the calls of two layers share one entry
     table = make_table([16, 8], DTYPE, "cpu", num_layers=2, seed=41, targets=[("q",), ("k", "v")])
-    be = _backend(FUSED_DECODE, sms=8)
+    be = _backend(SMALL_DECODE, sms=8)
     d_in, widths = SMALL_SHAPES["qkv"]
     offs = slice_offsets(widths)
-    cases = (([0, 0, -1], FUSED_DECODE), ([1, 0, 1, 1], FUSED_DECODE), ([1, 0, 1, 1], SPLIT_DECODE))
+    cases = (([0, 0, -1], SMALL_DECODE), ([1, 0, 1, 1], SMALL_DECODE), ([1, 0, 1, 1], SPLIT_DECODE))
     for slots, tiling in cases:
         be.tiling = tiling
         meta = LoRABatchMetadata.build(slots, table)
@@ -306,17 +253,16 @@ def test_calls_are_planned_per_step_and_tiling() -> None:
         assert shared.tiling is tiling and shared.n_segs == meta.num_segments
 
 
-def test_fused_falls_back_to_two_launches_when_the_grid_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_launch_falls_back_to_two_launches_when_the_grid_is_too_large(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     table = make_table([16, 64], DTYPE, "cpu", seed=18)
-    be = _backend(with_overrides(FUSED_DECODE, fused_per_sm=1), sms=2)  # 2 programs: never enough
-
-    class Boom:
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            raise AssertionError("fused kernel launched for a grid that does not fit")
-
-    monkeypatch.setattr(be._k, "lora_fused_kernel", Boom())
+    # one program per SM on 2 SMs: fewer than the row tiles x rank chunks of one K chunk
+    be = _backend(replace(SMALL_DECODE, split_per_sm=1, split_narrow_per_sm=1, split_long_k_per_sm=1), sms=2)
+    for name in ("lora_shrink_pdl_kernel", "lora_expand_pdl_kernel", "lora_expand_rows_kernel"):
+        monkeypatch.setattr(be._k, name, Boom())
     _check_all_groups(be, [0, 1, 1, -1, 0], table)
-    assert be._plans and not _fused_plans(be)
+    assert be._plans and not _split_plans(be)
 
 
 def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> LoRABatchMetadata:
@@ -346,25 +292,9 @@ def _static_meta(slots: list[int], null_slot: int, cap: int, block_r: int) -> Lo
     )
 
 
-STREAMED_DECODE = with_overrides(FUSED_DECODE, fused_expand_sub=1, fused_per_sm=2)
-SPLIT_LAUNCH_DECODE = with_overrides(STREAMED_DECODE, fused_split_launch=True)
-SEG_TABLES_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, seg_tables=True)
-ROW_LOOP_DECODE = with_overrides(SPLIT_LAUNCH_DECODE, row_loop_min_width=1, row_loop_tile_elems=256)
-ROW_ATOMIC_DECODE = with_overrides(ROW_LOOP_DECODE, atomic_y=True)
-EARLY_B_DECODE = with_overrides(ROW_ATOMIC_DECODE, seg_tables=True, row_loop_early_b=True)
-
-
 @pytest.mark.parametrize(
-    "tiling",
-    [
-        FUSED_DECODE, STREAMED_DECODE, SPLIT_LAUNCH_DECODE, SEG_TABLES_DECODE, ROW_LOOP_DECODE,
-        ROW_ATOMIC_DECODE, EARLY_B_DECODE, SPLIT_DECODE,
-    ],
-    ids=[
-        "fused-all-resident", "fused-streamed", "split-launch", "split-launch-segment-tables",
-        "split-launch-row-loop", "split-launch-row-loop-atomic-y", "split-launch-row-loop-early-b",
-        "two-launch",
-    ],
+    "tiling", [DECODE, SMALL_DECODE, ROW_LOOP_DECODE, SPLIT_DECODE],
+    ids=["default", "split-launch", "split-launch-row-loop", "two-launch"],
 )  # fmt: skip
 def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa: ANN001
     # adapter 1 adapts only q and up: the static launch covers every slice, rank 0 elsewhere
@@ -380,7 +310,7 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
     def check(group: str) -> None:
         d_in, widths = SMALL_SHAPES[group]
         offs = slice_offsets(widths)
-        if tiling.reads_segment_tables:  # gathered per step from the live tables (a graph replays it)
+        if isinstance(tiling, DecodeTiling):  # gathered per step from the live tables (a graph replays it)
             assert be._segment_tables(meta, dev) is not None
         x = torch.randn(len(slots), d_in, generator=gen)
         y0 = torch.randn(len(slots), offs[-1], generator=gen)
@@ -409,26 +339,13 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
     assert be.graph_epoch(table, CPU)[0] == epoch + 1
 
 
-def test_streamed_fused_plan_needs_only_shrinks_resident() -> None:
-    from loraplex.lora.triton_config import plan_fused
-
-    # 6 row tiles of a gate_up call on 4 "SMs" x 2: far more expand programs than fit at once
-    plan = plan_fused(STREAMED_DECODE, 6, 1, 64, (96, 96), 16, num_sms=4)
-    assert plan is not None and plan.streamed and plan.n_sub == 1
-    assert plan.resident == plan.n_shrink <= 8 < plan.programs
-    table = make_table([16, 8, 16], DTYPE, "cpu", seed=30)
-    be = _backend(STREAMED_DECODE)
-    _check_all_groups(be, [0, 1, 2, 1, -1, 0, 2] * 4, table)
-    assert any(p is not None and p.streamed for p in be._plans.values())
-
-
 @pytest.mark.parametrize("tiling", [None, SMALL_PREFILL], ids=["default", "prefill"])
 def test_shrink_then_expand_equals_apply(tiling) -> None:  # noqa: ANN001
     # the two halves the engine overlaps with the base GEMM give apply's two-launch result exactly
     table = make_table([16, 8, 32], DTYPE, "cpu", seed=40, targets=[None, ("q", "up"), None])
     slots = [0, 1, -1, 2, 2, 0, 1] * 3
     meta = LoRABatchMetadata.build(slots, table)
-    split = _backend(with_overrides(tiling or DECODE, fused=False))
+    split = _backend(tiling or replace(DECODE, split_max_rank=0))
     halves = _backend(tiling)
     gen = torch.Generator().manual_seed(41)
     for group, (d_in, widths) in SMALL_SHAPES.items():
@@ -451,7 +368,7 @@ def test_segment_tables_only_for_replayed_steps() -> None:
     # than the load it saves); a step run as graph replays gathers the per-step tables
     table = make_table([16, 8], DTYPE, "cpu", seed=40)
     meta = LoRABatchMetadata.build([0, 1, 1, -1, 0], table)
-    be = _backend(SEG_TABLES_DECODE)
+    be = _backend(SMALL_DECODE)
     be.begin_step(meta, table, CPU)
     assert be._segment_tables(meta, be.device_table(CPU)) is None
     be.begin_step(meta, table, CPU, replayed=True)

@@ -1,0 +1,251 @@
+"""`loraplex bench serve`: a serving workload (bench/workloads.py) replayed against the real engine
+in-process, or against a running server over HTTP, with the latencies users judge an engine by.
+
+In-process, requests arrive as the workload says (a closed loop keeps C in flight; open-loop
+arrivals are added when their time comes) and the engine steps in between; every step's kind,
+rows, adapters and duration are recorded. The same workload base-only runs in the same process,
+so the report states the ratio. Over HTTP (`--url`), streaming completions with token-id
+prompts go to the server's adapters (the k-th adapter the server lists serves adapter index k,
+wrapping round).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from loraplex.bench.serve_metrics import RequestTiming, StepRecord, summarize
+from loraplex.bench.workloads import Workload, WorkloadRequest, WorkloadSpec, generate
+
+
+@dataclass(frozen=True)
+class ServeBenchArgs:
+    workload: WorkloadSpec
+    device: str = "cpu"
+    model: str | None = None  # a model directory; None: the demo model (smoke) or random weights
+    random_layers: int | None = None  # random Llama-3-8B-shaped weights with this many layers
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    base_compare: bool = True
+    url: str | None = None  # benchmark a running server instead
+    api_key: str | None = None
+    smoke: bool = False
+    warmup_requests: int = 8  # replayed untimed before the measured runs (in-process)
+
+    @classmethod
+    def smoke_args(cls, **overrides: Any) -> ServeBenchArgs:  # noqa: ANN401
+        """The CPU demo model: its four adapters, prompts and outputs that fit its 64-token context."""
+        spec = WorkloadSpec(
+            seed=0,
+            num_requests=48,
+            num_adapters=4,
+            popularity="zipf:1.0",
+            base_share=0.2,
+            prompt_len="uniform:4:24",
+            output_len="uniform:8:32",
+            arrivals="closed:8",
+        )
+        return replace(cls(workload=spec, max_num_seqs=16, smoke=True), **overrides)
+
+
+@dataclass
+class _Live:
+    req: WorkloadRequest
+    timing: RequestTiming
+    last_tokens: int = 0
+
+
+def _prompt_ids(req: WorkloadRequest, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 1_000_003 + req.index)
+    return [rng.randrange(4, vocab) for _ in range(req.prompt_len)]
+
+
+def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str]]:  # noqa: ANN401
+    """The engine and the adapter name of each adapter index."""
+    import torch
+
+    from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+    from loraplex.engine.engine import Engine
+
+    spec = args.workload
+    sched = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+    )
+    if args.smoke or (args.model is None and args.random_layers is None):
+        from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
+
+        engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=args.device, scheduler=sched))
+        demo = list(DEMO_ADAPTERS.items())
+        names = []
+        for i in range(spec.num_adapters):
+            name, path = demo[i % len(demo)]
+            names.append(engine.register_adapter(name, path).name)
+        return engine, names
+    if args.model is not None:
+        dtype = "float32" if args.device == "cpu" else "bfloat16"
+        engine = Engine(EngineConfig(model_dir=args.model, device=args.device, dtype=dtype, scheduler=sched))
+    else:
+        from loraplex.bench.engine import llama3_8b_hf_dict, random_model
+        from loraplex.config import ModelConfig
+
+        mc = ModelConfig.from_hf_dict(llama3_8b_hf_dict(args.random_layers))
+        device = torch.device(args.device)
+        longest = max(r.prompt_len + r.output_len for r in generate(spec).requests)
+        block = 16
+        config = EngineConfig(
+            model_dir="<random weights>",
+            dtype="bfloat16",
+            device=args.device,
+            cache=CacheConfig(block_size=block, max_model_len=longest + 1),
+            lora=LoRAConfig(max_rank=max(64, *generate(spec).adapter_ranks)),
+            scheduler=sched,
+        )
+        engine = Engine(config, model=random_model(mc, torch.bfloat16, device, spec.seed))
+    from loraplex.bench.engine import random_adapter
+
+    names = []
+    ranks = generate(spec).adapter_ranks
+    for i, rank in enumerate(ranks):
+        imported = random_adapter(
+            engine.model_config, rank, 1000 + i, engine.config.torch_dtype, engine.device
+        )
+        names.append(engine.register_imported(f"bench-{i}", imported).name)
+    return engine, names
+
+
+def run_in_process(
+    engine: Any, names: list[str], workload: Workload, base_only: bool, progress: bool
+) -> dict[str, Any]:  # noqa: ANN401
+    """Replay `workload` on `engine`; returns the summary (see serve_metrics.summarize)."""
+    from loraplex.types import SamplingParams
+
+    reqs = workload.requests
+    vocab = engine.model_config.vocab_size
+    concurrency = workload.concurrency
+    pending = list(reqs)  # in arrival order (closed loop: index order)
+    live: dict[str, _Live] = {}
+    done: list[RequestTiming] = []
+    steps: list[StepRecord] = []
+    bar = _progress(len(reqs), "base-only" if base_only else "with adapters", progress)
+    start = time.perf_counter()
+    while pending or live:
+        now = time.perf_counter() - start
+        while pending and (
+            (concurrency is not None and len(live) < concurrency)
+            or (concurrency is None and (pending[0].arrival_s or 0.0) <= now)
+        ):
+            req = pending.pop(0)
+            rid = f"w{req.index}"
+            adapter = None if base_only or req.adapter is None else names[req.adapter]
+            params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+            prompt = req.prompt if req.prompt is not None else _prompt_ids(req, vocab, workload.spec.seed)
+            arrival = now if concurrency is not None else (req.arrival_s or 0.0)
+            t_add = time.perf_counter() - start
+            engine.add_request(rid, prompt, params, adapter)
+            timing = RequestTiming(
+                req.index, req.tenant, workload.popularity_class(None if base_only else req.adapter), arrival
+            )
+            timing.admitted_s = time.perf_counter() - start
+            timing.resolve_s = timing.admitted_s - t_add
+            live[rid] = _Live(req, timing)
+        if not live:
+            time.sleep(min(0.01, max(0.0, (pending[0].arrival_s or 0.0) - now)))
+            continue
+        t0 = time.perf_counter()
+        deltas = engine.step()
+        t1 = time.perf_counter()
+        stats = engine.last_stats
+        if stats is not None:
+            steps.append(
+                StepRecord(
+                    t0 - start,
+                    t1 - t0,
+                    stats.num_rows,
+                    stats.num_decode_rows,
+                    stats.num_lora_segments,
+                    len(stats.rows_per_request),
+                    stats.static_replay,
+                )
+            )
+        for delta in deltas:
+            item = live.get(delta.request_id)
+            if item is None:
+                continue
+            item.last_tokens += len(delta.new_token_ids)
+            if item.timing.first_token_s is None:
+                item.timing.first_token_s = t1 - start
+            if delta.finished:
+                item.timing.finish_s = t1 - start
+                item.timing.output_tokens = item.last_tokens
+                item.timing.prompt_tokens = len(engine.output(delta.request_id).prompt_token_ids)
+                engine.release(delta.request_id)
+                done.append(item.timing)
+                del live[delta.request_id]
+                bar.update(1)
+    bar.close()
+    wall = time.perf_counter() - start
+    return summarize(done, steps, wall, max_num_seqs=engine.config.scheduler.max_num_seqs)
+
+
+def _progress(total: int, what: str, enabled: bool) -> Any:  # noqa: ANN401
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"bench serve ({what})", unit="req", disable=not enabled, leave=False)
+
+
+def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True) -> dict[str, Any]:
+    workload = generate(args.workload)
+    report: dict[str, Any] = {
+        "args": {k: v for k, v in asdict(args).items() if k != "workload"},
+        "workload": workload.to_dict(),
+        "environment": _environment(args.device),
+    }
+    if args.url is not None:
+        from loraplex.bench.serve_http import run_http
+
+        report["mode"] = "http"
+        report["adapters"] = run_http(args.url, workload, args.api_key, progress)
+    else:
+        engine, names = _build_engine(args)
+        report["mode"] = "in-process"
+        # A few requests first, untimed: one-time costs of the process (first calls of each op)
+        # would otherwise land on whichever run goes first and skew the ratio.
+        t0 = time.perf_counter()
+        warm = replace(workload, requests=workload.requests[: args.warmup_requests])
+        run_in_process(engine, names, warm, base_only=False, progress=False)
+        report["warmup_s"] = time.perf_counter() - t0
+        report["model"] = {
+            "layers": engine.model_config.num_hidden_layers,
+            "hidden_size": engine.model_config.hidden_size,
+            "vocab_size": engine.model_config.vocab_size,
+            "dtype": engine.config.dtype,
+            "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        }
+        report["adapters"] = run_in_process(engine, names, workload, base_only=False, progress=progress)
+        if args.base_compare:
+            report["base_only"] = run_in_process(engine, names, workload, base_only=True, progress=progress)
+            report["ratios"] = {
+                "output_tokens_per_s_vs_base": report["adapters"]["output_tokens_per_s"]
+                / report["base_only"]["output_tokens_per_s"]
+            }
+    if out_dir is not None:
+        from loraplex.bench.serve_report import write_report
+
+        write_report(report, out_dir)
+    return report
+
+
+def _environment(device: str) -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "device": device}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+    return env

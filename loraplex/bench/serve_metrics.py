@@ -1,0 +1,133 @@
+"""Per-request timings and per-step records of a serving run, and their summary: throughput,
+TTFT / TPOT / end-to-end percentiles overall, per popularity class and per tenant, and what the
+steps looked like (kinds, rows, adapters, CUDA-graph replays, outliers)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RequestTiming:
+    index: int
+    tenant: str
+    popularity: str  # base | hot | cold
+    arrival_s: float  # when the request arrived (seconds from the run's start)
+    admitted_s: float | None = None  # when the engine took it
+    resolve_s: float = 0.0  # admission itself: adapter resolution and hold
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        assert self.first_token_s is not None
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e(self) -> float:
+        assert self.finish_s is not None
+        return self.finish_s - self.arrival_s
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2 or self.finish_s is None or self.first_token_s is None:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+
+    @property
+    def queue(self) -> float:
+        return (self.admitted_s or self.arrival_s) - self.arrival_s
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    start_s: float
+    seconds: float
+    rows: int
+    decode_rows: int
+    lora_segments: int
+    sequences: int
+    graph_replay: bool
+
+    @property
+    def kind(self) -> str:
+        return (
+            "decode" if self.decode_rows == self.rows else ("prefill" if self.decode_rows == 0 else "mixed")
+        )
+
+    @property
+    def bucket(self) -> int:
+        """Rows rounded up to a power of two."""
+        return 1 << max(0, (self.rows - 1).bit_length())
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(ordered)}
+
+
+def _latencies(timings: list[RequestTiming]) -> dict[str, Any]:
+    return {
+        "requests": len(timings),
+        "ttft_s": percentiles([t.ttft for t in timings]),
+        "tpot_s": percentiles([x for t in timings if (x := t.tpot) is not None]),
+        "e2e_s": percentiles([t.e2e for t in timings]),
+        "queue_s": percentiles([t.queue for t in timings]),
+    }
+
+
+def summarize(
+    timings: list[RequestTiming], steps: list[StepRecord], wall_s: float, max_num_seqs: int
+) -> dict[str, Any]:
+    output = sum(t.output_tokens for t in timings)
+    by_class: dict[str, list[RequestTiming]] = defaultdict(list)
+    by_tenant: dict[str, list[RequestTiming]] = defaultdict(list)
+    for t in timings:
+        by_class[t.popularity].append(t)
+        by_tenant[t.tenant].append(t)
+    kinds: dict[str, list[StepRecord]] = defaultdict(list)
+    buckets: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for s in steps:
+        kinds[s.kind].append(s)
+        buckets[(s.kind, s.bucket)].append(s.seconds)
+    # The worst step against the median of steps of its own kind and row bucket: a step that
+    # compiles or captures mid-traffic stands out here.
+    outlier = max((max(v) / statistics.median(v) for v in buckets.values() if len(v) >= 3), default=None)
+    decode = [s for s in steps if s.kind == "decode"]
+    return {
+        "wall_s": wall_s,
+        "output_tokens": output,
+        "output_tokens_per_s": output / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(timings) / wall_s if wall_s > 0 else 0.0,
+        "latency": _latencies(timings),
+        "by_popularity": {k: _latencies(v) for k, v in sorted(by_class.items())},
+        "by_tenant": {k: _latencies(v) for k, v in sorted(by_tenant.items())},
+        "resolve_s": percentiles([t.resolve_s for t in timings]),
+        "steps": {
+            "count": len(steps),
+            "seconds": sum(s.seconds for s in steps),
+            "busy_fraction_host_view": sum(s.seconds for s in steps) / wall_s if wall_s > 0 else 0.0,
+            "by_kind": {
+                k: {"count": len(v), "median_s": statistics.median(s.seconds for s in v)}
+                for k, v in sorted(kinds.items())
+            },
+            "max_over_median_same_kind_and_bucket": outlier,
+            "lora_segments_mean": statistics.fmean(s.lora_segments for s in steps) if steps else 0.0,
+            "lora_segments_max": max((s.lora_segments for s in steps), default=0),
+            "batch_occupancy_mean": statistics.fmean(s.sequences for s in steps) / max_num_seqs
+            if steps
+            else 0.0,
+            "graph_replay_ratio": (sum(s.graph_replay for s in decode) / len(decode)) if decode else None,
+        },
+    }

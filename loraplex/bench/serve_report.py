@@ -1,0 +1,109 @@
+"""`bench serve` results as JSON, a markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _latency_rows(title: str, lat: dict[str, Any]) -> str:
+    t, p, e = lat["ttft_s"], lat["tpot_s"], lat["e2e_s"]
+    return (
+        f"| {title} | {lat['requests']} | {_ms(t['p50'])} / {_ms(t['p99'])} "
+        f"| {_ms(p['p50'])} / {_ms(p['p99'])} | {_ms(e['p50'])} / {_ms(e['p90'])} / {_ms(e['p99'])} |"
+    )
+
+
+def markdown(report: dict[str, Any]) -> str:
+    spec = report["workload"]["spec"]
+    lines = [
+        f"# bench serve ({report['mode']})",
+        "",
+        f"workload: {json.dumps(spec)}",
+        f"environment: {json.dumps(report['environment'])}",
+        "",
+    ]
+    runs = [("with adapters", report["adapters"])]
+    if "base_only" in report:
+        runs.append(("base-only", report["base_only"]))
+    lines += ["| run | output tok/s | req/s | wall s |", "| --- | ---: | ---: | ---: |"]
+    for name, r in runs:
+        lines.append(
+            f"| {name} | {r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | {r['wall_s']:.2f} |"
+        )
+    if "ratios" in report:
+        lines += [
+            "",
+            "output tokens/s with adapters / base-only: "
+            f"{report['ratios']['output_tokens_per_s_vs_base']:.3f}",
+        ]
+    for name, r in runs:
+        lines += [
+            "",
+            f"## {name}: latency in ms (TTFT p50 / p99, TPOT p50 / p99, end-to-end p50 / p90 / p99)",
+            "",
+            "| group | requests | TTFT | TPOT | end-to-end |",
+            "| --- | ---: | ---: | ---: | ---: |",
+            _latency_rows("all", r["latency"]),
+        ]
+        lines += [_latency_rows(f"popularity {k}", v) for k, v in r["by_popularity"].items()]
+        lines += [_latency_rows(f"tenant {k}", v) for k, v in r["by_tenant"].items()]
+        s = r["steps"]
+        if s["count"]:
+            kinds = ", ".join(
+                f"{k} {v['count']} (median {_ms(v['median_s'])} ms)" for k, v in s["by_kind"].items()
+            )
+            worst = s["max_over_median_same_kind_and_bucket"]
+            replay = s["graph_replay_ratio"]
+            lines += [
+                "",
+                f"steps: {s['count']}: {kinds}; worst step / median of its kind and row bucket: "
+                f"{'-' if worst is None else f'{worst:.2f}'}; LoRA segments per step mean "
+                f"{s['lora_segments_mean']:.2f}, max {s['lora_segments_max']}; batch occupancy "
+                f"{s['batch_occupancy_mean']:.2f}; CUDA-graph replays of decode steps "
+                f"{'-' if replay is None else f'{replay:.2f}'}",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    runs = [("with adapters", report["adapters"])] + (
+        [("base-only", report["base_only"])] if "base_only" in report else []
+    )
+    names = [n for n, _ in runs]
+    axes[0].bar(names, [r["output_tokens_per_s"] for _, r in runs])
+    axes[0].set_ylabel("output tokens/s")
+    classes = sorted(report["adapters"]["by_popularity"])
+    for offset, (name, r) in enumerate(runs):
+        vals = [(r["by_popularity"].get(c) or {}).get("ttft_s", {}).get("p99") or 0.0 for c in classes]
+        axes[1].bar(
+            [i + 0.4 * offset for i in range(len(classes))], [v * 1e3 for v in vals], width=0.4, label=name
+        )
+    axes[1].set_xticks([i + 0.2 for i in range(len(classes))], classes)
+    axes[1].set_ylabel("P99 TTFT (ms)")
+    axes[1].legend()
+    fig.suptitle(f"bench serve ({report['mode']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "serve.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out_dir / "serve.md").write_text(markdown(report))
+    plot(report, out_dir / "serve.png")

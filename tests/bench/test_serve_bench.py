@@ -1,0 +1,50 @@
+"""`loraplex bench serve` on the CPU demo model: in-process (`--smoke`, as CI runs it) and over
+HTTP against a live server; every request of the workload completes with its output length, and
+the report carries the workload it replayed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from loraplex.bench.serve import ServeBenchArgs, run
+from loraplex.bench.workloads import generate
+from loraplex.cli import main
+
+
+def test_smoke_in_process_through_the_cli(tmp_path: Path) -> None:
+    assert main(["bench", "serve", "--smoke", "--quiet", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serve.json").read_text())
+    assert (tmp_path / "serve.md").read_text().startswith("# bench serve (in-process)")
+    workload = report["workload"]
+    want_tokens = sum(r["output_len"] for r in workload["requests"])
+    for run_name in ("adapters", "base_only"):
+        r = report[run_name]
+        assert r["output_tokens"] == want_tokens and r["latency"]["requests"] == len(workload["requests"])
+        assert r["latency"]["ttft_s"]["p50"] > 0 and r["output_tokens_per_s"] > 0
+        assert r["steps"]["count"] > 0 and set(r["steps"]["by_kind"]) <= {"decode", "mixed", "prefill"}
+    assert report["adapters"]["steps"]["lora_segments_max"] >= 2  # adapters really were mixed
+    assert report["base_only"]["steps"]["lora_segments_max"] == 0
+    assert set(report["adapters"]["by_popularity"]) == {"base", "hot", "cold"}
+    assert report["ratios"]["output_tokens_per_s_vs_base"] > 0
+    # the saved workload is the spec's, regenerated
+    spec = ServeBenchArgs.smoke_args().workload
+    assert workload == json.loads(json.dumps(generate(spec).to_dict()))
+
+
+def test_over_http_with_open_loop_arrivals_and_tenants(tmp_path: Path) -> None:
+    from helpers.live_server import live_server
+
+    from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
+
+    smoke = ServeBenchArgs.smoke_args()
+    spec = replace(smoke.workload, num_requests=24, arrivals="poisson:60", tenants="a:3,b:1")
+    adapters = {name: str(path) for name, path in DEMO_ADAPTERS.items()}
+    with live_server(str(DEMO_MODEL_DIR), adapters) as (base_url, _):
+        report = run(replace(smoke, workload=spec, url=base_url), tmp_path, progress=False)
+    r = report["adapters"]
+    assert report["mode"] == "http" and r["server"]["adapters"] == 4
+    assert r["output_tokens"] == sum(x.output_len for x in generate(spec).requests)
+    assert set(r["by_tenant"]) == {"a", "b"} and r["latency"]["requests"] == 24
+    assert r["latency"]["ttft_s"]["p99"] >= r["latency"]["ttft_s"]["p50"] > 0
