@@ -18,13 +18,18 @@ revisions, request holds) is the registry's; this module knows revisions only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 
 from loraplex.lora.metadata import BASE_SLOT
 from loraplex.lora.weights import AdapterWeights, LoRASlotTable
+from loraplex.types import AdapterRef
+
+_BASE = frozenset((BASE_SLOT,))
 
 
 class Residency(Enum):
@@ -42,13 +47,12 @@ class SlotFacts:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class StepSlots:
-    """One step's slot map: the slot of each chunk of the plan (BASE_SLOT for base rows)."""
+class StepSlots(NamedTuple):
+    """One step's slot map: the slot of each chunk of the plan (BASE_SLOT for base rows). (A
+    NamedTuple: one is built every step, at half the cost of a frozen dataclass.)"""
 
     slots: list[int]
-    generations: dict[int, int]  # slot -> its generation when the map was built
-    distinct: list[int]  # adapter slots in order of first appearance
+    generations: dict[int, int]  # adapter slot -> its generation when the map was built
 
 
 class SlotInUseError(RuntimeError):
@@ -142,14 +146,17 @@ class AdapterResidency:
 
     # --- per step ---------------------------------------------------------------------------------
 
-    def step_slots(self, revisions: list[str | None]) -> StepSlots:
-        """The slot of each scheduled sequence's revision (None: base), pinned until `end_step`."""
+    def step_slots(self, adapters: Iterable[AdapterRef | None]) -> StepSlots:
+        """The slot of each scheduled sequence's revision (None: base), pinned until `end_step`.
+        (On every step's path: one pass over the rows, the rest over distinct slots only.)"""
         slot_of = self._slot_of
-        slots = [BASE_SLOT if r is None else slot_of[r] for r in revisions]
-        distinct = list(dict.fromkeys(s for s in slots if s != BASE_SLOT))
-        self._pinned = frozenset(distinct)
+        slots = [BASE_SLOT if a is None else slot_of[a.revision] for a in adapters]
+        pinned = frozenset(slots)
+        if BASE_SLOT in pinned:
+            pinned = pinned - _BASE
+        self._pinned = pinned
         generation = self._generation
-        return StepSlots(slots, {s: generation[s] for s in distinct}, distinct)
+        return StepSlots(slots, {s: generation[s] for s in pinned})
 
     def check(self, step: StepSlots) -> None:
         """Raise StaleSlotError if a slot of `step` changed content after the map was built."""

@@ -213,7 +213,6 @@ class Engine:
         deltas = self._postprocess(plan, result)
         self.last_stats = StepStats.of(
             plan,
-            slots,
             result.num_adapters,
             self.lora_backend.total_calls - calls_before,
             self.scheduler,
@@ -224,9 +223,7 @@ class Engine:
 
     def slot_map(self, plan: StepPlan) -> StepSlots:
         """The plan's slot map from residency; its slots stay pinned until `residency.end_step()`."""
-        return self.residency.step_slots(
-            [None if (a := c.seq.adapter) is None else a.revision for c in plan.chunks]
-        )
+        return self.residency.step_slots([c.seq.adapter for c in plan.chunks])
 
     def _postprocess(self, plan: StepPlan, result: ForwardResult) -> list[RequestDelta]:
         if result.prompt_rows:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.adapters.residency import StepSlots
 from loraplex.engine.scheduler import Scheduler, StepPlan
 from loraplex.kv.block_pool import BlockPool
-from loraplex.lora.metadata import BASE_SLOT
 
 
 @dataclass(frozen=True)
@@ -29,7 +27,6 @@ class StepStats:
     def of(
         cls,
         plan: StepPlan,
-        slots: StepSlots,
         num_adapters: int,
         lora_op_calls: int,
         scheduler: Scheduler,
@@ -39,14 +36,14 @@ class StepStats:
         # One pass over the chunks (a pure decode step of batch 64 is 64 of them).
         rows_per_request: dict[str, int] = {}
         rows = decode = base = 0
-        for c, slot in zip(plan.chunks, slots.slots, strict=True):
+        for c in plan.chunks:
             n = c.num_tokens
             seq = c.seq
             rows_per_request[seq.request_id] = n
             rows += n
             if c.is_decode:
                 decode += n
-            if slot == BASE_SLOT:
+            if seq.adapter is None:
                 base += n
         return cls(
             num_rows=rows,

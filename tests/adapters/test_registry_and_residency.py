@@ -20,8 +20,10 @@ from loraplex.adapters.residency import (
 )
 from loraplex.lora.metadata import BASE_SLOT
 from loraplex.lora.weights import AdapterWeights, LoRAPair, LoRASlotTable
+from loraplex.types import AdapterRef
 
 REV_A, REV_B, REV_C = "a" * 64, "b" * 64, "c" * 64
+A, B, C = (AdapterRef(n, r) for n, r in (("a", REV_A), ("b", REV_B), ("c", REV_C)))
 
 
 def _weights(rank: int, layers: int = 2, seed: int = 0) -> AdapterWeights:
@@ -79,8 +81,8 @@ def test_step_pins_and_freed_slots_are_reused_with_a_new_generation() -> None:
     res = AdapterResidency(table, torch.float32, "cpu")
     res.load(REV_A, _weights(4))
     res.load(REV_B, _weights(8, seed=1))
-    step = res.step_slots([REV_B, None, REV_A, REV_B])
-    assert step.slots == [1, BASE_SLOT, 0, 1] and step.distinct == [1, 0]
+    step = res.step_slots([B, None, A, B])
+    assert step.slots == [1, BASE_SLOT, 0, 1] and step.generations == {0: 0, 1: 0}
     assert res.pinned == {0, 1}
     with pytest.raises(SlotInUseError):
         res.evict(REV_A)  # pinned by the running step
@@ -97,7 +99,7 @@ def test_step_pins_and_freed_slots_are_reused_with_a_new_generation() -> None:
     assert facts.slot == 0 and facts.generation == 2  # the freed slot; freeing and loading each bump it
     with pytest.raises(StaleSlotError):
         res.check(step)
-    fresh = res.step_slots([REV_C, REV_B])
+    fresh = res.step_slots([C, B])
     res.check(fresh)
     res.end_step()
     assert table.weights(0).max_rank == 2 and res.num_resident == 2

@@ -14,7 +14,6 @@ import random
 import pytest
 import torch
 
-from loraplex.adapters.residency import StepSlots
 from loraplex.config import SchedulerConfig
 from loraplex.engine.sampler import Sampler, filtered_logits, logprob_dicts
 from loraplex.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
@@ -229,8 +228,7 @@ def _simulate(reference: bool, seed: int, num_blocks: int) -> list[tuple]:
         plan = sched.schedule()
         for c in plan.chunks:
             c.seq.num_computed += c.num_tokens
-        row_slots = [BASE_SLOT if c.seq.adapter is None else _REFS.index(c.seq.adapter) for c in plan.chunks]
-        stats = StepStats.of(plan, StepSlots(row_slots, {}, []), 0, 0, sched, pool)
+        stats = StepStats.of(plan, 0, 0, sched, pool)
         decode = sum(c.num_tokens for c in plan.chunks if c.is_decode)
         rows = sum(c.num_tokens for c in plan.chunks)
         assert stats.num_rows == rows and stats.num_decode_rows == decode
