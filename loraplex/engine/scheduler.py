@@ -104,7 +104,9 @@ class Scheduler:
             chunks.append(chunk)
             budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # No admissions in a step that preempted: the pool is short, and the sequence just
+        # preempted would otherwise be re-admitted at once to recompute a prefix it loses again.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget)
             need = self.blocks_for(seq.num_computed + n) - len(seq.block_ids)

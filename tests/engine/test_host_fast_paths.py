@@ -188,7 +188,7 @@ def _reference_schedule(self: Scheduler) -> StepPlan:
         chunks.append(ScheduledChunk(seq, n, decode))
         budget -= n
         i += 1
-    while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
         seq = self.waiting[0]
         n = min(seq.num_uncomputed, budget)
         need = self.blocks_for(seq.num_computed + n) - len(seq.block_ids)

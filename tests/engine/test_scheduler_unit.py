@@ -12,8 +12,6 @@ from __future__ import annotations
 import itertools
 import random
 
-import pytest
-
 from loraplex.config import SchedulerConfig
 from loraplex.engine.scheduler import Scheduler, StepPlan
 from loraplex.engine.sequence import Sequence, SequenceStatus
@@ -264,11 +262,6 @@ def test_recompute_after_preemption_is_chunked_by_the_budget() -> None:
     assert b.is_finished and len(b.output_token_ids) == 5 and st.pool.num_used == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the waiting pass runs after a preemption and can re-admit the sequence just preempted: "
-    "it recomputes a budget-sized prefix it loses again at its next block boundary",
-)
 def test_a_sequence_preempted_in_a_step_is_not_planned_in_that_step() -> None:
     st = Stepper(num_blocks=3, budget=4)
     st.add("a", 4, max_tokens=5)
