@@ -175,11 +175,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def output(self, request_id: str) -> RequestOutput:
+    def output(self, request_id: str, copy_prompt: bool = True) -> RequestOutput:
+        """A snapshot of the request. With copy_prompt=False its prompt_token_ids is the engine's
+        own list (never changed after admission; callers must not change it either): the server
+        takes a snapshot per request per step, and copying a long prompt each time adds up."""
         seq = self._seqs[request_id]
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=list(seq.prompt_token_ids),
+            prompt_token_ids=list(seq.prompt_token_ids) if copy_prompt else seq.prompt_token_ids,
             adapter=seq.adapter,
             token_ids=list(seq.output_token_ids),
             text=seq.text,
