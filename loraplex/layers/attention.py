@@ -1,18 +1,87 @@
 """Causal attention over the paged KV cache: any mix of prefill chunks (continuing a cached prefix)
 and decode rows in one step.
 
-`paged_attention` is the one entry point the model calls; `attention_backend(device)`
-(`attention_metadata.py`) is the one place that picks the implementation: the Triton kernels
-(`attention_triton.py`, imported only here) on CUDA, the torch reference `paged_attention_torch`
-elsewhere.
+One interface (`AttentionBackend`: the step's K/V written into the cache, then attention), two
+implementations: the Triton kernels (`attention_triton.py`, imported only when built) on CUDA and
+the torch reference `paged_attention_torch` elsewhere. `make_attention_backend` is the one factory;
+it asks `attention_backend(device)` (`attention_metadata.py`, which also picks the metadata's
+layout from it) which one a device gets. `paged_attention` is the entry point the model calls.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from loraplex.layers.attention_metadata import AttentionMetadata, attention_backend
+
+
+class AttentionBackend(Protocol):
+    """Contract: `paged_attention_torch` (same arguments, same result)."""
+
+    name: str
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttention:
+    name = "torch"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from loraplex.layers.attention_triton import paged_attention_triton  # CUDA machines only
+
+        self._kernels = paged_attention_triton
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return self._kernels(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+
+@functools.cache
+def make_attention_backend(device_type: str) -> AttentionBackend:
+    """The attention implementation for a device type ("cuda", "cpu", ...), built once."""
+    if attention_backend(device_type) == "triton":
+        return TritonAttention()
+    return TorchAttention()
 
 
 def paged_attention(
@@ -26,12 +95,9 @@ def paged_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend each row to its sequence's cached prefix
-    (semantics: `paged_attention_torch`), on the implementation `attention_backend` picks."""
-    if attention_backend(q.device) == "triton":
-        from loraplex.layers.attention_triton import paged_attention_triton
-
-        return paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-    return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    (semantics: `paged_attention_torch`), on the device's backend."""
+    backend = make_attention_backend(q.device.type)
+    return backend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
 
 
 def paged_attention_torch(

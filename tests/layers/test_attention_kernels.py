@@ -278,3 +278,13 @@ def test_interp_static_decode_with_padding_rows() -> None:
     out_ref = paged_attention_torch(q, k, v, k2, v2, meta, scale, None)
     assert torch.equal(k2, ref_k) and (out_ref[:3] - ref).abs().max() <= 1e-6
     assert torch.equal(out_ref[3:], torch.zeros_like(out_ref[3:]))
+
+
+def test_one_factory_picks_the_attention_backend() -> None:
+    from loraplex.layers.attention import TorchAttention, make_attention_backend
+
+    cpu = make_attention_backend("cpu")
+    assert isinstance(cpu, TorchAttention) and cpu.name == attention_backend("cpu") == "torch"
+    assert make_attention_backend("cpu") is cpu  # built once per device type
+    if torch.cuda.is_available():
+        assert make_attention_backend("cuda").name == "triton"
