@@ -2,7 +2,7 @@
 and decode rows in one step.
 
 One interface (`AttentionBackend`: the step's K/V written into the cache, then attention), two
-implementations: the Triton kernels (`attention_triton.py`, imported only when built) on CUDA and
+implementations behind it: the Triton kernels (`attention_triton.py`, imported only when built) on CUDA and
 the torch reference `paged_attention_torch` elsewhere. `make_attention_backend` is the one factory;
 it asks `attention_backend(device)` (`attention_metadata.py`, which also picks the metadata's
 layout from it) which one a device gets. `paged_attention` is the entry point the model calls.
@@ -11,6 +11,7 @@ layout from it) which one a device gets. `paged_attention` is the entry point th
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -37,8 +38,28 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-class TorchAttention:
-    name = "torch"
+# The function behind a backend: `paged_attention_torch`'s signature.
+AttentionFunction = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata,
+        float,
+        int | None,
+    ],
+    torch.Tensor,
+]
+
+
+class _Attention:
+    """An implementation of the `AttentionBackend` contract (a function with its signature)."""
+
+    def __init__(self, name: str, run: AttentionFunction) -> None:
+        self.name = name
+        self._run = run
 
     def __call__(
         self,
@@ -51,37 +72,17 @@ class TorchAttention:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        return paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-
-
-class TritonAttention:
-    name = "triton"
-
-    def __init__(self) -> None:
-        from loraplex.layers.attention_triton import paged_attention_triton  # CUDA machines only
-
-        self._kernels = paged_attention_triton
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        return self._kernels(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        return self._run(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
 
 
 @functools.cache
 def make_attention_backend(device_type: str) -> AttentionBackend:
     """The attention implementation for a device type ("cuda", "cpu", ...), built once."""
     if attention_backend(device_type) == "triton":
-        return TritonAttention()
-    return TorchAttention()
+        from loraplex.layers.attention_triton import paged_attention_triton  # CUDA machines only
+
+        return _Attention("triton", paged_attention_triton)
+    return _Attention("torch", paged_attention_torch)
 
 
 def paged_attention(
