@@ -438,17 +438,7 @@ class _LoRAVariant:
         runner = engine.runner.static_decode
         if runner is not None or overlap:  # an overlap mode runs the static path
             capture = runner.capture if runner is not None else False
-            runner = StaticDecodeRunner(
-                engine.model,
-                engine.kv,
-                engine.lora_table,
-                engine.lora_backend,
-                engine.device,
-                args.batch,
-                engine.max_model_len,
-                capture=capture,
-                lora_overlap=overlap,
-            )
+            runner = engine.static_decode_runner(args.batch, capture=capture, lora_overlap=overlap)
         return cls(engine, runner)
 
     @contextmanager

@@ -320,6 +320,11 @@ class Engine:
         max_batch = min(config.graphs.cuda_graph_max_batch, config.scheduler.max_num_seqs)
         if self.device.type != "cuda" or max_batch == 0:
             return None
+        return self.static_decode_runner(max_batch, capture=True, lora_overlap=config.graphs.lora_overlap)
+
+    def static_decode_runner(self, max_batch: int, capture: bool, lora_overlap: int) -> StaticDecodeRunner:
+        """A decode runner over this engine's model, KV cache and LoRA table (capture=False: the
+        static buffers without CUDA graphs, as tests and benches on the CPU use them)."""
         return StaticDecodeRunner(
             self.model,
             self.kv,
@@ -328,8 +333,8 @@ class Engine:
             self.device,
             max_batch,
             self.max_model_len,
-            capture=True,
-            lora_overlap=config.graphs.lora_overlap,
+            capture=capture,
+            lora_overlap=lora_overlap,
         )
 
     @property

@@ -16,7 +16,6 @@ from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
 from loraplex.adapters.residency import StepSlots
-from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.lora.weights import AdapterWeights, LoRAPair
 
 ADAPTERS = {
@@ -38,17 +37,7 @@ def _engine(tmp_path: Path, device: str, overlap: int = 0):  # noqa: ANN202
         )
     e = llm.engine
     if device == "cpu":
-        e.runner.static_decode = StaticDecodeRunner(
-            e.model,
-            e.kv,
-            e.lora_table,
-            e.lora_backend,
-            e.device,
-            16,
-            e.max_model_len,
-            capture=False,
-            lora_overlap=overlap,
-        )
+        e.runner.static_decode = e.static_decode_runner(16, capture=False, lora_overlap=overlap)
     return e
 
 

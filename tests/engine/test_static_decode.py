@@ -11,7 +11,7 @@ import torch
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.cuda_graphs import SEGMENT_ROWS, StaticDecodeRunner, batch_bucket
+from loraplex.engine.cuda_graphs import SEGMENT_ROWS, batch_bucket
 
 ADAPTERS = {
     "r8": (8, ["q_proj", "v_proj"]),
@@ -32,17 +32,7 @@ def _llms(tmp_path: Path, max_batch: int, overlap: int = 0) -> tuple[LLM, LLM]:
         for name, path in paths.items():
             llm.register_adapter(name, path)
     e = llms[1].engine
-    e.runner.static_decode = StaticDecodeRunner(
-        e.model,
-        e.kv,
-        e.lora_table,
-        e.lora_backend,
-        e.device,
-        max_batch,
-        e.max_model_len,
-        capture=False,
-        lora_overlap=overlap,
-    )
+    e.runner.static_decode = e.static_decode_runner(max_batch, capture=False, lora_overlap=overlap)
     return llms
 
 
