@@ -12,33 +12,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from loraplex.layers.attention_metadata import AttentionMetadata, attention_backend
 
-
-class AttentionBackend(Protocol):
-    """Contract: `paged_attention_torch` (same arguments, same result)."""
-
-    name: str
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor: ...
-
-
-# The function behind a backend: `paged_attention_torch`'s signature.
+# An implementation's entry point: `paged_attention_torch`'s signature and contract.
 AttentionFunction = Callable[
     [
         torch.Tensor,
@@ -54,25 +35,13 @@ AttentionFunction = Callable[
 ]
 
 
-class _Attention:
-    """An implementation of the `AttentionBackend` contract (a function with its signature)."""
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One attention implementation: `run` has the contract of `paged_attention_torch` (same
+    arguments, same result)."""
 
-    def __init__(self, name: str, run: AttentionFunction) -> None:
-        self.name = name
-        self._run = run
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        return self._run(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    name: str
+    run: AttentionFunction
 
 
 @functools.cache
@@ -81,8 +50,8 @@ def make_attention_backend(device_type: str) -> AttentionBackend:
     if attention_backend(device_type) == "triton":
         from loraplex.layers.attention_triton import paged_attention_triton  # CUDA machines only
 
-        return _Attention("triton", paged_attention_triton)
-    return _Attention("torch", paged_attention_torch)
+        return AttentionBackend("triton", paged_attention_triton)
+    return AttentionBackend("torch", paged_attention_torch)
 
 
 def paged_attention(
@@ -98,7 +67,7 @@ def paged_attention(
     """Write this step's K/V into the cache, then attend each row to its sequence's cached prefix
     (semantics: `paged_attention_torch`), on the device's backend."""
     backend = make_attention_backend(q.device.type)
-    return backend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    return backend.run(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
 
 
 def paged_attention_torch(
