@@ -70,6 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
         bench = replace(bench, **{k: v for k, v in overrides.items() if v is not None})
         if args.no_base_compare:
             bench = replace(bench, base_compare=False)
+        if args.hf_compare:
+            bench = replace(bench, hf_compare=True)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     report = run(bench, args.out, progress=not args.quiet)
@@ -81,8 +83,11 @@ def _serve(args: argparse.Namespace) -> int:
                 f"{name:9s} output tok/s {r['output_tokens_per_s']:9.1f}  req/s {r['requests_per_s']:7.2f}  "
                 f"TTFT p50/p99 {lat['ttft_s']['p50'] * 1e3:.1f}/{lat['ttft_s']['p99'] * 1e3:.1f} ms"
             )
-    if "ratios" in report:
-        print(f"with adapters / base-only: {report['ratios']['output_tokens_per_s_vs_base']:.3f}")
+    ratios = report.get("ratios", {})
+    if "output_tokens_per_s_vs_base" in ratios:
+        print(f"with adapters / base-only: {ratios['output_tokens_per_s_vs_base']:.3f}")
+    if "output_tokens_per_s_vs_hf_peft" in ratios:
+        print(f"with adapters / transformers + PEFT: {ratios['output_tokens_per_s_vs_hf_peft']:.2f}")
     print(f"wrote {args.out}/serve.json, serve.md, serve.png")
     return 0
 
@@ -137,6 +142,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--random-layers", type=int, help="random Llama-3-8B-shaped weights with N layers")
     s.add_argument("--max-num-seqs", type=int, help="engine batch limit (default 64)")
     s.add_argument("--no-base-compare", action="store_true", help="skip the same workload base-only")
+    s.add_argument(
+        "--hf-compare",
+        action="store_true",
+        help="also run the workload through transformers + PEFT (model and adapters from directories)",
+    )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     for name, kind, text in (
         ("seed", int, "workload seed"),

@@ -34,6 +34,7 @@ class ServeBenchArgs:
     api_key: str | None = None
     smoke: bool = False
     warmup_requests: int = 8  # replayed untimed before the measured runs (in-process)
+    hf_compare: bool = False  # also run transformers + PEFT (needs a model and adapter directories)
 
     @classmethod
     def smoke_args(cls, **overrides: Any) -> ServeBenchArgs:  # noqa: ANN401
@@ -63,8 +64,9 @@ def _prompt_ids(req: WorkloadRequest, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(4, vocab) for _ in range(req.prompt_len)]
 
 
-def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str]]:  # noqa: ANN401
-    """The engine and the adapter name of each adapter index."""
+def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str], dict[str, str]]:  # noqa: ANN401
+    """The engine, the adapter name of each adapter index, and the directory of each adapter
+    that came from one (the transformers + PEFT baseline loads those)."""
     import torch
 
     from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
@@ -83,7 +85,7 @@ def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str]]:  # noqa: ANN40
         for i in range(spec.num_adapters):
             name, path = demo[i % len(demo)]
             names.append(engine.register_adapter(name, path).name)
-        return engine, names
+        return engine, names, {name: str(path) for name, path in demo}
     if args.model is not None:
         dtype = "float32" if args.device == "cpu" else "bfloat16"
         engine = Engine(EngineConfig(model_dir=args.model, device=args.device, dtype=dtype, scheduler=sched))
@@ -113,7 +115,7 @@ def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str]]:  # noqa: ANN40
             engine.model_config, rank, 1000 + i, engine.config.torch_dtype, engine.device
         )
         names.append(engine.register_imported(f"bench-{i}", imported).name)
-    return engine, names
+    return engine, names, {}
 
 
 def run_in_process(
@@ -209,7 +211,7 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
         report["mode"] = "http"
         report["adapters"] = run_http(args.url, workload, args.api_key, progress)
     else:
-        engine, names = _build_engine(args)
+        engine, names, adapter_dirs = _build_engine(args)
         report["mode"] = "in-process"
         # A few requests first, untimed: one-time costs of the process (first calls of each op)
         # would otherwise land on whichever run goes first and skew the ratio.
@@ -231,11 +233,53 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
                 "output_tokens_per_s_vs_base": report["adapters"]["output_tokens_per_s"]
                 / report["base_only"]["output_tokens_per_s"]
             }
+        if args.hf_compare:
+            report["hf_peft"] = _hf_baseline(args, engine, names, adapter_dirs, workload, progress)
+            report.setdefault("ratios", {})["output_tokens_per_s_vs_hf_peft"] = (
+                report["adapters"]["output_tokens_per_s"] / report["hf_peft"]["output_tokens_per_s"]
+            )
     if out_dir is not None:
         from loraplex.bench.serve_report import write_report
 
         write_report(report, out_dir)
     return report
+
+
+def _hf_baseline(
+    args: ServeBenchArgs,
+    engine: Any,  # noqa: ANN401
+    names: list[str],
+    adapter_dirs: dict[str, str],
+    workload: Workload,
+    progress: bool,
+) -> dict[str, Any]:
+    from loraplex.bench.serve_hf import run_hf
+
+    model_dir = engine.config.model_dir
+    missing = sorted(
+        {names[r.adapter] for r in workload.requests if r.adapter is not None} - set(adapter_dirs)
+    )
+    if not Path(model_dir).is_dir() or missing:
+        raise SystemExit(
+            "--hf-compare needs the model and every adapter as directories (random weights have none)"
+        )
+    vocab = engine.model_config.vocab_size
+    prompts = []
+    for r in workload.requests:
+        if r.prompt is not None:
+            prompts.append(list(engine.tokenizer.encode(r.prompt)))
+        else:
+            prompts.append(_prompt_ids(r, vocab, workload.spec.seed))
+    return run_hf(
+        model_dir,
+        adapter_dirs,
+        names,
+        prompts,
+        [r.output_len for r in workload.requests],
+        [r.adapter for r in workload.requests],
+        args.device,
+        progress=progress,
+    )
 
 
 def _environment(device: str) -> dict[str, Any]:

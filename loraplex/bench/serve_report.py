@@ -36,11 +36,22 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | {r['wall_s']:.2f} |"
         )
-    if "ratios" in report:
+    if "hf_peft" in report:
+        hf = report["hf_peft"]
+        lines.append(
+            f"| transformers + PEFT ({hf['settings']['dtype']}, static batches of {hf['settings']['batch']}) "
+            f"| {hf['output_tokens_per_s']:.1f} | - | {hf['wall_s']:.2f} |"
+        )
+    ratios = report.get("ratios", {})
+    if "output_tokens_per_s_vs_base" in ratios:
         lines += [
             "",
-            "output tokens/s with adapters / base-only: "
-            f"{report['ratios']['output_tokens_per_s_vs_base']:.3f}",
+            f"output tokens/s with adapters / base-only: {ratios['output_tokens_per_s_vs_base']:.3f}",
+        ]
+    if "output_tokens_per_s_vs_hf_peft" in ratios:
+        lines += [
+            "output tokens/s with adapters / transformers + PEFT: "
+            f"{ratios['output_tokens_per_s_vs_hf_peft']:.2f}"
         ]
     for name, r in runs:
         lines += [

@@ -33,6 +33,16 @@ def test_smoke_in_process_through_the_cli(tmp_path: Path) -> None:
     assert workload == json.loads(json.dumps(generate(spec).to_dict()))
 
 
+def test_transformers_peft_baseline_on_the_same_workload(tmp_path: Path) -> None:
+    report = run(
+        replace(ServeBenchArgs.smoke_args(), hf_compare=True, base_compare=False), tmp_path, progress=False
+    )
+    hf = report["hf_peft"]
+    assert hf["output_tokens"] == report["adapters"]["output_tokens"] and hf["output_tokens_per_s"] > 0
+    assert report["ratios"]["output_tokens_per_s_vs_hf_peft"] > 0
+    assert "transformers + PEFT" in (tmp_path / "serve.md").read_text()
+
+
 def test_over_http_with_open_loop_arrivals_and_tenants(tmp_path: Path) -> None:
     from helpers.live_server import live_server
 
