@@ -63,6 +63,8 @@ def _serve(args: argparse.Namespace) -> int:
             "device": args.device,
             "model": args.model,
             "random_layers": args.random_layers,
+            "random_shape": args.random_shape,
+            "workdir": args.workdir,
             "max_num_seqs": args.max_num_seqs,
             "url": args.url,
             "api_key": args.api_key,
@@ -140,6 +142,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--device", help="cpu or cuda (in-process)")
     s.add_argument("--model", help="model directory (default: the demo model, or --random-layers)")
     s.add_argument("--random-layers", type=int, help="random Llama-3-8B-shaped weights with N layers")
+    s.add_argument("--random-shape", choices=("llama3-8b", "tiny"), help="shape of --random-layers weights")
+    s.add_argument("--workdir", help="where --hf-compare writes random weights as files (reused)")
     s.add_argument("--max-num-seqs", type=int, help="engine batch limit (default 64)")
     s.add_argument("--no-base-compare", action="store_true", help="skip the same workload base-only")
     s.add_argument(

@@ -27,6 +27,8 @@ class ServeBenchArgs:
     device: str = "cpu"
     model: str | None = None  # a model directory; None: the demo model (smoke) or random weights
     random_layers: int | None = None  # random Llama-3-8B-shaped weights with this many layers
+    random_shape: str = "llama3-8b"  # or "tiny" (a CPU-sized model of the same architecture)
+    workdir: str = "bench-results/serve-checkpoint"  # random weights as files, for --hf-compare
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     base_compare: bool = True
@@ -90,10 +92,15 @@ def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str], dict[str, str]]
         dtype = "float32" if args.device == "cpu" else "bfloat16"
         engine = Engine(EngineConfig(model_dir=args.model, device=args.device, dtype=dtype, scheduler=sched))
     else:
-        from loraplex.bench.engine import llama3_8b_hf_dict, random_model
+        from loraplex.bench.engine import llama3_8b_hf_dict, random_model, tiny_hf_dict
         from loraplex.config import ModelConfig
 
-        mc = ModelConfig.from_hf_dict(llama3_8b_hf_dict(args.random_layers))
+        if args.random_shape not in ("llama3-8b", "tiny"):
+            raise ValueError(f"unknown random shape {args.random_shape!r}; use llama3-8b or tiny")
+        hf_dict = (tiny_hf_dict if args.random_shape == "tiny" else llama3_8b_hf_dict)(args.random_layers)
+        if args.hf_compare:
+            return _from_checkpoint(args, hf_dict, sched)
+        mc = ModelConfig.from_hf_dict(hf_dict)
         device = torch.device(args.device)
         longest = max(r.prompt_len + r.output_len for r in generate(spec).requests)
         block = 16
@@ -116,6 +123,32 @@ def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str], dict[str, str]]
         )
         names.append(engine.register_imported(f"bench-{i}", imported).name)
     return engine, names, {}
+
+
+def _from_checkpoint(
+    args: ServeBenchArgs, hf_dict: dict[str, Any], sched: Any
+) -> tuple[Any, list[str], dict[str, str]]:  # noqa: ANN401
+    """Random weights written as files first, so that transformers + PEFT load the same ones."""
+    from loraplex.bench.serve_checkpoint import write_random_checkpoint
+    from loraplex.config import CacheConfig, EngineConfig, LoRAConfig
+    from loraplex.engine.engine import Engine
+
+    workload = generate(args.workload)
+    model_dir, adapter_dirs = write_random_checkpoint(
+        hf_dict, workload.adapter_ranks, Path(args.workdir), args.device, args.workload.seed
+    )
+    longest = max(r.prompt_len + r.output_len for r in workload.requests)
+    config = EngineConfig(
+        model_dir=model_dir,
+        dtype="float32" if args.device == "cpu" else "bfloat16",
+        device=args.device,
+        cache=CacheConfig(block_size=16, max_model_len=longest + 1),
+        lora=LoRAConfig(max_rank=max(64, *workload.adapter_ranks)),
+        scheduler=sched,
+    )
+    engine = Engine(config)
+    names = [engine.register_adapter(name, path).name for name, path in adapter_dirs.items()]
+    return engine, names, adapter_dirs
 
 
 def run_in_process(

@@ -43,6 +43,32 @@ def test_transformers_peft_baseline_on_the_same_workload(tmp_path: Path) -> None
     assert "transformers + PEFT" in (tmp_path / "serve.md").read_text()
 
 
+def test_random_weights_written_once_for_the_transformers_baseline(tmp_path: Path) -> None:
+    smoke = ServeBenchArgs.smoke_args()
+    spec = replace(smoke.workload, num_requests=16, ranks="8,16", prompt_len="uniform:8:40")
+    args = replace(
+        smoke,
+        smoke=False,
+        workload=spec,
+        random_layers=2,
+        random_shape="tiny",
+        hf_compare=True,
+        base_compare=False,
+        workdir=str(tmp_path / "ckpt"),
+    )
+    report = run(args, None, progress=False)
+    assert report["hf_peft"]["output_tokens"] == report["adapters"]["output_tokens"]
+    marker = tmp_path / "ckpt" / "checkpoint.json"
+    written = marker.stat().st_mtime_ns
+    ranks = [
+        json.loads((tmp_path / "ckpt" / "adapters" / f"bench-{i}" / "adapter_config.json").read_text())["r"]
+        for i in range(4)
+    ]
+    assert ranks == generate(spec).adapter_ranks
+    run(args, None, progress=False)
+    assert marker.stat().st_mtime_ns == written  # the same spec reuses the files
+
+
 def test_over_http_with_open_loop_arrivals_and_tenants(tmp_path: Path) -> None:
     from helpers.live_server import live_server
 
