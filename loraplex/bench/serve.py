@@ -17,8 +17,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from loraplex.bench.gpu_busy import BusyWindow
 from loraplex.bench.serve_metrics import RequestTiming, StepRecord, summarize
 from loraplex.bench.workloads import Workload, WorkloadRequest, WorkloadSpec, generate
+
+BUSY_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,11 @@ def run_in_process(
     done: list[RequestTiming] = []
     steps: list[StepRecord] = []
     bar = _progress(len(reqs), "base-only" if base_only else "with adapters", progress)
+    # GPU busy over a window of the steady part: from a quarter of the requests done, for at most
+    # BUSY_STEPS steps or until three quarters are done (the profiler's event list grows with it).
+    busy = BusyWindow()
+    busy_from, busy_to = len(reqs) // 4, (3 * len(reqs)) // 4
+    busy_steps = 0
     start = time.perf_counter()
     while pending or live:
         now = time.perf_counter() - start
@@ -193,6 +201,10 @@ def run_in_process(
         deltas = engine.step()
         t1 = time.perf_counter()
         stats = engine.last_stats
+        if busy.active:
+            busy_steps += 1
+            if busy_steps >= BUSY_STEPS:
+                busy.stop()
         if stats is not None:
             steps.append(
                 StepRecord(
@@ -220,9 +232,16 @@ def run_in_process(
                 done.append(item.timing)
                 del live[delta.request_id]
                 bar.update(1)
+                if len(done) == busy_from and busy_to > busy_from:
+                    busy.start()
+                elif len(done) == busy_to:
+                    busy.stop()
     bar.close()
+    busy.stop()  # a no-op unless the window is still open
     wall = time.perf_counter() - start
-    return summarize(done, steps, wall, max_num_seqs=engine.config.scheduler.max_num_seqs)
+    summary = summarize(done, steps, wall, max_num_seqs=engine.config.scheduler.max_num_seqs)
+    summary["gpu_busy"] = {"fraction": busy.fraction, "window_s": busy.window_s, "kernels": busy.kernels}
+    return summary
 
 
 def _progress(total: int, what: str, enabled: bool) -> Any:  # noqa: ANN401

@@ -41,7 +41,20 @@ class RequestTiming:
 
     @property
     def queue(self) -> float:
+        """Arrival to admission by the engine (over HTTP: to the request being sent)."""
         return (self.admitted_s or self.arrival_s) - self.arrival_s
+
+    @property
+    def prefill(self) -> float:
+        """Admission to the first token: waiting for a batch slot, the prompt's chunks, the first
+        sample. (No adapter loads yet: every registered adapter is resident.)"""
+        assert self.first_token_s is not None
+        return self.first_token_s - (self.admitted_s or self.arrival_s)
+
+    @property
+    def decode(self) -> float:
+        assert self.finish_s is not None and self.first_token_s is not None
+        return self.finish_s - self.first_token_s
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,8 @@ def _latencies(timings: list[RequestTiming]) -> dict[str, Any]:
         "tpot_s": percentiles([x for t in timings if (x := t.tpot) is not None]),
         "e2e_s": percentiles([t.e2e for t in timings]),
         "queue_s": percentiles([t.queue for t in timings]),
+        "prefill_s": percentiles([t.prefill for t in timings]),
+        "decode_s": percentiles([t.decode for t in timings]),
     }
 
 

@@ -64,6 +64,21 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         lines += [_latency_rows(f"popularity {k}", v) for k, v in r["by_popularity"].items()]
         lines += [_latency_rows(f"tenant {k}", v) for k, v in r["by_tenant"].items()]
+        lat = r["latency"]
+        lines += [
+            "",
+            "per-request split, p50 / p99 ms: queue "
+            f"{_ms(lat['queue_s']['p50'])} / {_ms(lat['queue_s']['p99'])}, admission (adapter resolve) "
+            f"{_ms(r['resolve_s']['p50'])} / {_ms(r['resolve_s']['p99'])}, admission to first token "
+            f"{_ms(lat['prefill_s']['p50'])} / {_ms(lat['prefill_s']['p99'])}, decode "
+            f"{_ms(lat['decode_s']['p50'])} / {_ms(lat['decode_s']['p99'])}",
+        ]
+        busy = (r.get("gpu_busy") or {}).get("fraction")
+        if busy is not None:
+            lines.append(
+                f"GPU busy over the steady window ({r['gpu_busy']['window_s']:.2f} s, "
+                f"{r['gpu_busy']['kernels']} kernels): {busy:.3f}"
+            )
         s = r["steps"]
         if s["count"]:
             kinds = ", ".join(

@@ -84,3 +84,10 @@ def test_over_http_with_open_loop_arrivals_and_tenants(tmp_path: Path) -> None:
     assert r["output_tokens"] == sum(x.output_len for x in generate(spec).requests)
     assert set(r["by_tenant"]) == {"a", "b"} and r["latency"]["requests"] == 24
     assert r["latency"]["ttft_s"]["p99"] >= r["latency"]["ttft_s"]["p50"] > 0
+
+
+def test_busy_union_counts_overlapping_kernels_once() -> None:
+    from loraplex.bench.gpu_busy import union_length
+
+    assert union_length([]) == 0
+    assert union_length([(0, 10), (5, 12), (20, 25), (21, 22), (30, 31)]) == 12 + 5 + 1
