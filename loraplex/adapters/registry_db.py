@@ -1,0 +1,415 @@
+"""The persistent adapter registry: what exists, who may use it, and every control-plane action.
+
+SQLAlchemy Core over SQLite by default (a file under the data directory, in WAL mode, so readers
+never block the one writer), written in portable Core so that a PostgreSQL URL works with the same
+code (see docs/architecture.md for why Core and not plain sqlite3). Tables:
+
+    adapters   (name, revision) -> manifest, provenance, tenant, visibility, state, created_*
+    aliases    alias -> name@revision (repointed in one statement)
+    tenants    name -> quotas
+    api_keys   sha256 of the token -> role (data | admin), tenant; the token is never stored
+    audit_log  append-only: who did what, when, with what result and why it was refused
+
+The schema carries a version; opening a file of an older version runs the migration steps in
+order, in one transaction. Revisions are immutable: a row's manifest never changes; only its state
+(active -> draining -> retired) moves. This module knows no tensors and no torch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Column,
+    DateTime,
+    ForeignKey,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    create_engine,
+    event,
+    func,
+    insert,
+    inspect,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection, Engine
+
+SCHEMA_VERSION = 1
+STATES = ("active", "draining", "retired")
+VISIBILITIES = ("private", "shared")
+ROLES = ("data", "admin")
+DEFAULT_TENANT = "default"
+
+metadata = MetaData()
+
+schema_info = Table("schema_info", metadata, Column("version", Integer, nullable=False))
+
+tenants = Table(
+    "tenants",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("quotas", JSON, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+
+adapters = Table(
+    "adapters",
+    metadata,
+    Column("name", String(128), nullable=False),
+    Column("revision", String(64), nullable=False),
+    Column("manifest", JSON, nullable=False),
+    Column("provenance", JSON, nullable=False),
+    Column("tenant", String(128), ForeignKey("tenants.name"), nullable=False),
+    Column("visibility", String(16), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("created_by", String(128), nullable=False),
+    PrimaryKeyConstraint("name", "revision"),
+)
+
+aliases = Table(
+    "aliases",
+    metadata,
+    Column("alias", String(256), primary_key=True),
+    Column("name", String(128), nullable=False),
+    Column("revision", String(64), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    Column("updated_by", String(128), nullable=False),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("key_hash", String(64), primary_key=True),
+    Column("role", String(8), nullable=False),
+    Column("tenant", String(128), ForeignKey("tenants.name"), nullable=False),
+    Column("label", String(256), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("revoked_at", DateTime(timezone=True), nullable=True),
+)
+
+audit_log = Table(
+    "audit_log",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", DateTime(timezone=True), nullable=False),
+    Column("principal", String(128), nullable=False),
+    Column("action", String(64), nullable=False),
+    Column("target", String(512), nullable=False),
+    Column("result", String(16), nullable=False),  # ok | exists | refused
+    Column("reason", String(2048), nullable=True),
+)
+
+# version -> the step that brings a database of that version to the next one
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+
+
+class RegistryError(ValueError):
+    """A control-plane request the registry refuses (the message names why)."""
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    name: str
+    revision: str
+    manifest: dict[str, Any]
+    provenance: dict[str, Any]
+    tenant: str
+    visibility: str
+    state: str
+    created_at: dt.datetime
+    created_by: str
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    key_hash: str
+    role: str
+    tenant: str
+    label: str
+
+
+def hash_key(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class RegistryDB:
+    def __init__(self, url: str) -> None:
+        self.engine: Engine = create_engine(url)
+        if self.engine.dialect.name == "sqlite":
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._migrate()
+
+    @classmethod
+    def in_dir(cls, data_dir: str) -> RegistryDB:
+        return cls(f"sqlite:///{data_dir}/registry.sqlite")
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # --- schema ---------------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        with self.engine.begin() as conn:
+            if not inspect(conn).has_table("schema_info"):
+                metadata.create_all(conn)
+                conn.execute(insert(schema_info).values(version=SCHEMA_VERSION))
+                _ensure_tenant(conn, DEFAULT_TENANT)
+                return
+            version = conn.execute(select(schema_info.c.version)).scalar_one()
+            if version > SCHEMA_VERSION:
+                raise RegistryError(
+                    f"the registry's schema is version {version}, newer than this loraplex's "
+                    f"{SCHEMA_VERSION}: upgrade loraplex"
+                )
+            while version < SCHEMA_VERSION:
+                MIGRATIONS[version](conn)
+                version += 1
+                conn.execute(update(schema_info).values(version=version))
+
+    @property
+    def schema_version(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(schema_info.c.version)).scalar_one())
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    # --- adapters -------------------------------------------------------------------------------
+
+    def add_revision(
+        self,
+        name: str,
+        revision: str,
+        manifest: dict[str, Any],
+        provenance: dict[str, Any],
+        principal: str,
+        tenant: str = DEFAULT_TENANT,
+        visibility: str = "private",
+    ) -> bool:
+        """Record an immutable revision under `name`; False (and no new row) when it is already
+        there: registering identical content again is idempotent."""
+        if visibility not in VISIBILITIES:
+            raise RegistryError(f"visibility must be one of {VISIBILITIES}, got {visibility!r}")
+        target = f"{name}@{revision}"
+        with self._write() as conn:
+            if conn.execute(select(tenants.c.name).where(tenants.c.name == tenant)).first() is None:
+                refused = f"unknown tenant {tenant!r}"
+            else:
+                refused = None
+        if refused is not None:
+            self._refuse(principal, "register", target, refused)
+        with self._write() as conn:
+            key = (adapters.c.name == name) & (adapters.c.revision == revision)
+            if conn.execute(select(adapters.c.name).where(key)).first() is not None:
+                self._audit(conn, principal, "register", target, "exists", None)
+                return False
+            conn.execute(
+                insert(adapters).values(
+                    name=name,
+                    revision=revision,
+                    manifest=manifest,
+                    provenance=provenance,
+                    tenant=tenant,
+                    visibility=visibility,
+                    state="active",
+                    created_at=_now(),
+                    created_by=principal,
+                )
+            )
+            self._audit(conn, principal, "register", target, "ok", None)
+        return True
+
+    def get(self, name: str, revision: str) -> AdapterRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(adapters).where((adapters.c.name == name) & (adapters.c.revision == revision))
+            ).first()
+        return None if row is None else AdapterRecord(**row._mapping)
+
+    def list_adapters(self, include_retired: bool = False) -> list[AdapterRecord]:
+        query = select(adapters).order_by(adapters.c.created_at, adapters.c.name)
+        if not include_retired:
+            query = query.where(adapters.c.state != "retired")
+        with self.engine.connect() as conn:
+            return [AdapterRecord(**row._mapping) for row in conn.execute(query)]
+
+    def resolve(self, spec: str) -> AdapterRecord:
+        """An alias, a name (its newest active revision) or `name@revision` (a unique prefix)."""
+        with self.engine.connect() as conn:
+            alias = conn.execute(select(aliases).where(aliases.c.alias == spec)).first()
+            if alias is not None:
+                name, prefix = alias.name, alias.revision
+            else:
+                name, _, prefix = spec.partition("@")
+                if "@" in spec and not prefix:
+                    raise RegistryError(f"{spec!r}: the revision after '@' is empty")
+            query = select(adapters).where(adapters.c.name == name)
+            if prefix:
+                query = query.where(adapters.c.revision.startswith(prefix, autoescape=True))
+            else:
+                query = query.where(adapters.c.state == "active").order_by(adapters.c.created_at.desc())
+            rows = conn.execute(query).fetchall()
+        if not rows:
+            raise RegistryError(f"unknown adapter {spec!r}")
+        if prefix and len(rows) > 1:
+            raise RegistryError(f"ambiguous revision {prefix!r} of adapter {name!r}")
+        return AdapterRecord(**rows[0]._mapping)
+
+    def set_state(self, name: str, revision: str, state: str, principal: str) -> None:
+        """Move a revision along active -> draining -> retired (never back: revisions are immutable
+        and a retired one stays retired)."""
+        if state not in STATES:
+            raise RegistryError(f"state must be one of {STATES}, got {state!r}")
+        target = f"{name}@{revision}"
+        with self._write() as conn:
+            key = (adapters.c.name == name) & (adapters.c.revision == revision)
+            current = conn.execute(select(adapters.c.state).where(key)).scalar_one_or_none()
+            why = None
+            if current is None or STATES.index(state) < STATES.index(current):
+                why = "unknown revision" if current is None else f"cannot go from {current} to {state}"
+            else:
+                conn.execute(update(adapters).where(key).values(state=state))
+                self._audit(conn, principal, f"state:{state}", target, "ok", None)
+        if why is not None:
+            self._refuse(principal, f"state:{state}", target, why, f"{target}: {why}")
+
+    # --- aliases --------------------------------------------------------------------------------
+
+    def set_alias(self, alias: str, name: str, revision: str, principal: str) -> None:
+        """Point `alias` at an active revision, in one statement (a resolve sees the old target or
+        the new one, never neither)."""
+        target = f"{alias} -> {name}@{revision}"
+        with self._write() as conn:
+            key = (adapters.c.name == name) & (adapters.c.revision == revision)
+            state = conn.execute(select(adapters.c.state).where(key)).scalar_one_or_none()
+            why = None
+            if state != "active":
+                why = "unknown revision" if state is None else f"the revision is {state}"
+            else:
+                values = {"name": name, "revision": revision, "updated_at": _now(), "updated_by": principal}
+                changed = conn.execute(
+                    update(aliases).where(aliases.c.alias == alias).values(**values)
+                ).rowcount
+                if not changed:
+                    conn.execute(insert(aliases).values(alias=alias, **values))
+                self._audit(conn, principal, "alias", target, "ok", None)
+        if why is not None:
+            self._refuse(principal, "alias", target, why, f"alias {alias!r}: {why}")
+
+    # --- tenants and keys -------------------------------------------------------------------------
+
+    def create_tenant(self, name: str, quotas: dict[str, int], principal: str) -> None:
+        with self._write() as conn:
+            exists = conn.execute(select(tenants.c.name).where(tenants.c.name == name)).first() is not None
+            if not exists:
+                conn.execute(insert(tenants).values(name=name, quotas=quotas, created_at=_now()))
+                self._audit(conn, principal, "tenant", name, "ok", None)
+        if exists:
+            self._refuse(principal, "tenant", name, "exists", f"tenant {name!r} exists")
+
+    def quotas(self, tenant: str) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(tenants.c.quotas).where(tenants.c.name == tenant)).first()
+        if row is None:
+            raise RegistryError(f"unknown tenant {tenant!r}")
+        return dict(row.quotas)
+
+    def create_key(self, role: str, tenant: str, label: str, principal: str) -> str:
+        """A new random token (256 bits), returned once; only its sha256 is stored."""
+        if role not in ROLES:
+            raise RegistryError(f"role must be one of {ROLES}, got {role!r}")
+        token = "lpx-" + secrets.token_urlsafe(32)
+        with self._write() as conn:
+            known = conn.execute(select(tenants.c.name).where(tenants.c.name == tenant)).first() is not None
+            if known:
+                conn.execute(
+                    insert(api_keys).values(
+                        key_hash=hash_key(token), role=role, tenant=tenant, label=label, created_at=_now()
+                    )
+                )
+                self._audit(conn, principal, "key", f"{role} key {label!r} of {tenant}", "ok", None)
+        if not known:
+            self._refuse(principal, "key", f"{role} key {label!r}", f"unknown tenant {tenant!r}")
+        return token
+
+    def revoke_key(self, key_hash: str, principal: str) -> None:
+        with self._write() as conn:
+            changed = conn.execute(
+                update(api_keys)
+                .where((api_keys.c.key_hash == key_hash) & api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=_now())
+            ).rowcount
+            if changed:
+                self._audit(conn, principal, "revoke", key_hash[:12], "ok", None)
+        if not changed:
+            self._refuse(
+                principal, "revoke", key_hash[:12], "no such live key", f"no live key {key_hash[:12]}..."
+            )
+
+    def live_keys(self) -> dict[str, KeyRecord]:
+        """sha256 -> key, for checking tokens from memory (no query per request)."""
+        query = select(api_keys).where(api_keys.c.revoked_at.is_(None))
+        with self.engine.connect() as conn:
+            return {
+                row.key_hash: KeyRecord(row.key_hash, row.role, row.tenant, row.label)
+                for row in conn.execute(query)
+            }
+
+    # --- audit ----------------------------------------------------------------------------------
+
+    def _audit(
+        self, conn: Connection, principal: str, action: str, target: str, result: str, reason: str | None
+    ) -> None:
+        conn.execute(
+            insert(audit_log).values(
+                at=_now(), principal=principal, action=action, target=target, result=result, reason=reason
+            )
+        )
+
+    def _refuse(
+        self, principal: str, action: str, target: str, reason: str, message: str | None = None
+    ) -> None:
+        """Record a refusal in its own transaction (the refused one wrote nothing) and raise it."""
+        with self._write() as conn:
+            self._audit(conn, principal, action, target, "refused", reason)
+        raise RegistryError(message or reason)
+
+    def audit(self, offset: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        query = select(audit_log).order_by(audit_log.c.id).offset(offset).limit(limit)
+        with self.engine.connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
+
+    def count(self, table: Table) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+
+
+def _ensure_tenant(conn: Connection, name: str) -> None:
+    if conn.execute(select(tenants.c.name).where(tenants.c.name == name)).first() is None:
+        conn.execute(insert(tenants).values(name=name, quotas={}, created_at=_now()))
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:  # noqa: ANN401
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()
