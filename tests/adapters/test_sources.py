@@ -1,0 +1,131 @@
+"""Adapter sources: local directories only under allow-listed roots (no `..`, no symlink escape),
+http(s) only from allow-listed hosts through a real HTTP server on 127.0.0.1 (started and stopped
+here), no redirects, and size limits that stop a fetch, even of an endless body, at the limit."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fsspec")  # a server-side package: the GPU machine's image may lack it
+
+from loraplex.adapters.sources import SourceError, SourcePolicy, fetch  # noqa: E402
+
+CONFIG = b'{"peft_type": "LORA"}'
+WEIGHTS = b"\x00" * 5000
+
+
+def _adapter(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_bytes(CONFIG)
+    (directory / "adapter_model.safetensors").write_bytes(WEIGHTS)
+    return directory
+
+
+def test_local_sources_stay_under_their_roots(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    good = _adapter(root / "sql")
+    outside = _adapter(tmp_path / "elsewhere")
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    sneaky = root / "sneaky"
+    sneaky.mkdir()
+    (sneaky / "adapter_config.json").write_bytes(CONFIG)
+    (sneaky / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    policy = SourcePolicy(roots=(root,))
+
+    got = fetch(str(good), tmp_path / "stage-ok", policy)
+    assert (got / "adapter_model.safetensors").read_bytes() == WEIGHTS
+    assert fetch(f"file://{good}", tmp_path / "stage-file", policy).is_dir()
+    cases = {
+        str(root / "sql" / ".." / "sql"): "'..'",
+        str(outside): "outside the allowed source roots",
+        str(root / "escape"): "outside the allowed source roots",  # a symlinked directory
+        str(sneaky): "links outside",  # a symlinked file
+        str(root / "missing"): "not found",
+        "s3://bucket/x": "unsupported source scheme",
+    }
+    for i, (source, why) in enumerate(cases.items()):
+        stage = tmp_path / f"stage-{i}"
+        with pytest.raises(SourceError, match=why):
+            fetch(source, stage, policy)
+        assert not any(p.is_file() for p in stage.rglob("*")), source  # nothing half-fetched
+    with pytest.raises(SourceError, match="no source roots"):
+        fetch(str(good), tmp_path / "stage-x", SourcePolicy())
+    with pytest.raises(SourceError, match="larger than the limit"):
+        fetch(str(good), tmp_path / "stage-big", SourcePolicy(roots=(root,), max_file_bytes=4096))
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    files: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path.startswith("/endless/") and self.path.endswith(".safetensors"):
+            self.send_response(200)
+            self.end_headers()
+            try:
+                while True:  # no Content-Length, no end
+                    self.wfile.write(b"\x00" * 65536)
+            except (BrokenPipeError, ConnectionResetError):
+                return
+        if self.path.startswith("/redirect/"):
+            self.send_response(302)
+            self.send_header("Location", "http://example.invalid/x")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = self.files.get(self.path)
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def http_server() -> Iterator[str]:
+    _Handler.files = {
+        "/sql/adapter_config.json": CONFIG,
+        "/sql/adapter_model.safetensors": WEIGHTS,
+        "/endless/adapter_config.json": CONFIG,
+        "/half/adapter_config.json": CONFIG,
+    }
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_http_sources_from_allowed_hosts_with_limits(tmp_path: Path, http_server: str) -> None:
+    policy = SourcePolicy(hosts=(http_server,), max_file_bytes=1 << 20)
+    got = fetch(f"http://{http_server}/sql/", tmp_path / "ok", policy)
+    assert (got / "adapter_config.json").read_bytes() == CONFIG
+    assert (got / "adapter_model.safetensors").read_bytes() == WEIGHTS
+    cases = {
+        f"http://{http_server}/sql": None,  # fine without the trailing slash too
+        f"http://localhost:{http_server.split(':')[1]}/sql": "not an allowed source host",
+        f"http://user:pw@{http_server}/sql": "credentials",
+        f"http://{http_server}/endless": "larger than the limit",  # stops at 1 MiB
+        f"http://{http_server}/half": "not found",
+        f"http://{http_server}/redirect": "fetch failed",
+    }
+    for i, (source, why) in enumerate(cases.items()):
+        stage = tmp_path / f"stage-{i}"
+        if why is None:
+            fetch(source, stage, policy)
+            continue
+        with pytest.raises(SourceError, match=why):
+            fetch(source, stage, policy)
+        assert not (stage / "adapter_model.safetensors").exists(), source
