@@ -47,7 +47,8 @@ class _SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = Field(default=1.0, ge=0)
+    # bounded: past float32's range a temperature turns into infinity on the way to the sampler
+    temperature: float = Field(default=1.0, ge=0, le=1e6)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1)
     stream: bool = False

@@ -91,6 +91,7 @@ def test_non_finite_numbers_are_refused_for_every_float_field(server, field: str
         ({"max_tokens": 5.0}, "max_tokens"),
         ({"temperature": True}, "temperature"),
         ({"temperature": "0"}, "temperature"),
+        ({"temperature": 1e300}, "temperature"),
         ({"logprobs": True}, "logprobs"),
         ({"echo": 1}, "echo"),
         ({"seed": 2**70}, "seed"),
