@@ -384,6 +384,12 @@ class RegistryDB:
             )
         )
 
+    def record_refusal(self, principal: str, action: str, target: str, reason: str) -> None:
+        """Audit a control-plane action refused before it reached the registry (a bad source, a
+        checksum mismatch, an adapter that cannot be served)."""
+        with self._write() as conn:
+            self._audit(conn, principal, action, target[:512], "refused", reason[:2048])
+
     def _refuse(
         self, principal: str, action: str, target: str, reason: str, message: str | None = None
     ) -> None:
