@@ -5,6 +5,8 @@ The control plane fetches; the data plane never names a path or URL. A source is
     a local directory   only under an allow-listed root: `..` components are refused, the path is
                         resolved (symlinks too) and must still lie under a root
     http(s)://host/dir  only on an allow-listed host; no redirects (a redirect could leave the list)
+    s3://bucket/prefix  only in an allow-listed bucket, through s3fs (credentials and endpoint from
+                        the environment, or `s3_endpoint` for an S3-compatible server)
 
 Only the files an adapter consists of are fetched (`adapter_config.json`,
 `adapter_model.safetensors`); each is read in chunks and the fetch stops the moment a file or the
@@ -33,6 +35,8 @@ class SourceError(ValueError):
 class SourcePolicy:
     roots: tuple[Path, ...] = field(default_factory=tuple)  # local directories sources may lie under
     hosts: tuple[str, ...] = field(default_factory=tuple)  # host names (host:port where not 80/443)
+    buckets: tuple[str, ...] = field(default_factory=tuple)  # s3 buckets
+    s3_endpoint: str | None = None  # an S3-compatible server's URL (None: AWS's, from the environment)
     max_file_bytes: int = 2 << 30
     max_total_bytes: int = 4 << 30
 
@@ -49,10 +53,12 @@ def fetch(source: str, staging: Path, policy: SourcePolicy) -> Path:
     try:
         if scheme in ("http", "https"):
             _fetch_http(source, staging, policy)
+        elif scheme == "s3":
+            _fetch_s3(source, staging, policy)
         elif scheme in ("", "file"):
             _fetch_local(source.removeprefix("file://"), staging, policy)
         else:
-            raise SourceError(f"unsupported source scheme {scheme!r} (local paths and http(s) URLs)")
+            raise SourceError(f"unsupported source scheme {scheme!r} (local paths, http(s) and s3 URLs)")
     except BaseException:
         for name in ADAPTER_FILES:  # a refused fetch leaves nothing behind, not half an adapter
             (staging / name).unlink(missing_ok=True)
@@ -121,6 +127,34 @@ def _fetch_http(source: str, staging: Path, policy: SourcePolicy) -> None:
             raise SourceError(f"{url}: not found") from None
         except Exception as err:  # network errors, HTTP errors, redirects refused
             raise SourceError(f"{url}: fetch failed ({err.__class__.__name__}: {err})") from None
+
+
+def _fetch_s3(source: str, staging: Path, policy: SourcePolicy) -> None:
+    import fsspec
+
+    parts = urlsplit(source)
+    if parts.username or parts.password:
+        raise SourceError("credentials in a source URL are not accepted")
+    bucket = parts.hostname or ""
+    if bucket not in policy.buckets:
+        raise SourceError(f"bucket {bucket!r} is not an allowed source bucket")
+    if ".." in parts.path.split("/"):
+        raise SourceError(f"{source!r}: '..' is not allowed in a source path")
+    client = {"endpoint_url": policy.s3_endpoint} if policy.s3_endpoint else {}
+    fs = fsspec.filesystem("s3", client_kwargs=client, skip_instance_cache=True)
+    base = f"{bucket}/{parts.path.strip('/')}".rstrip("/")
+    total = 0
+    for name in ADAPTER_FILES:
+        key = f"{base}/{name}"
+        try:
+            with fs.open(key, "rb", block_size=_CHUNK, cache_type="none") as f:
+                total += _copy_limited(_chunks(f), staging / name, name, total, policy)
+        except SourceError:
+            raise
+        except FileNotFoundError:
+            raise SourceError(f"s3://{key}: not found") from None
+        except Exception as err:  # credentials, network, permissions
+            raise SourceError(f"s3://{key}: fetch failed ({err.__class__.__name__}: {err})") from None
 
 
 def _chunks(f: Any) -> Iterator[bytes]:  # noqa: ANN401

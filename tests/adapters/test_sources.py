@@ -46,7 +46,7 @@ def test_local_sources_stay_under_their_roots(tmp_path: Path) -> None:
         str(root / "escape"): "outside the allowed source roots",  # a symlinked directory
         str(sneaky): "links outside",  # a symlinked file
         str(root / "missing"): "not found",
-        "s3://bucket/x": "unsupported source scheme",
+        "ftp://host/x": "unsupported source scheme",
     }
     for i, (source, why) in enumerate(cases.items()):
         stage = tmp_path / f"stage-{i}"
@@ -129,3 +129,50 @@ def test_http_sources_from_allowed_hosts_with_limits(tmp_path: Path, http_server
         with pytest.raises(SourceError, match=why):
             fetch(source, stage, policy)
         assert not (stage / "adapter_model.safetensors").exists(), source
+
+
+@pytest.fixture()
+def s3_server(monkeypatch) -> Iterator[str]:  # noqa: ANN001
+    """A local S3-compatible server (moto's server mode) on 127.0.0.1, with fake credentials."""
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def test_s3_sources_from_allowed_buckets(tmp_path: Path, s3_server: str) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_server}, skip_instance_cache=True)
+    fs.mkdir("adapters")
+    fs.pipe("adapters/sql/adapter_config.json", CONFIG)
+    fs.pipe("adapters/sql/adapter_model.safetensors", WEIGHTS)
+    fs.pipe("adapters/big/adapter_config.json", CONFIG)
+    fs.pipe("adapters/big/adapter_model.safetensors", b"\x00" * (3 << 20))
+    fs.mkdir("private")
+    fs.pipe("private/sql/adapter_config.json", CONFIG)
+    policy = SourcePolicy(buckets=("adapters",), s3_endpoint=s3_server, max_file_bytes=2 << 20)
+    got = fetch("s3://adapters/sql", tmp_path / "ok", policy)
+    assert (got / "adapter_model.safetensors").read_bytes() == WEIGHTS
+    cases = {
+        "s3://private/sql": "not an allowed source bucket",
+        "s3://adapters/missing": "not found",
+        "s3://adapters/big": "larger than the limit",
+        "s3://adapters/sql/../big": "'..'",
+    }
+    for i, (source, why) in enumerate(cases.items()):
+        stage = tmp_path / f"stage-{i}"
+        with pytest.raises(SourceError, match=why):
+            fetch(source, stage, policy)
+        assert not any(p.is_file() for p in stage.rglob("*")), source
