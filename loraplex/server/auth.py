@@ -1,25 +1,53 @@
-"""Data-plane API keys. With none configured, any bearer token (or none) is accepted."""
+"""Who is calling: bearer tokens -> principals, checked from memory.
+
+Tokens are held only as their sha256 (the persistent registry stores no more than that either),
+so a check is one hash and one dictionary lookup: no database query and no slow password hash per
+request, and a guess learns nothing from timing but whether it was right. With no keys configured
+the data plane is open and every caller is the default tenant's data principal.
+"""
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Callable
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from fastapi import Request
-
-from loraplex.server.protocol import APIError
+DEFAULT_TENANT = "default"
 
 
-def api_key_checker(keys: frozenset[str]) -> Callable[[Request], None]:
-    def check(request: Request) -> None:
-        if not keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # compare_digest keeps the comparison time independent of how much of a key matched
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip(), k) for k in keys):
-            raise APIError(
-                401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key"
-            )
+@dataclass(frozen=True)
+class Principal:
+    role: str  # data | admin
+    tenant: str
+    label: str
 
-    return check
+
+ANONYMOUS = Principal("data", DEFAULT_TENANT, "anonymous")
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class KeyTable:
+    def __init__(self, hashed: dict[str, Principal] | None = None) -> None:
+        self._by_hash: dict[str, Principal] = dict(hashed or {})
+
+    @classmethod
+    def from_tokens(cls, tokens: Iterable[str], role: str = "data", tenant: str = DEFAULT_TENANT) -> KeyTable:
+        """Keys given in clear (`--api-key`, `LORAPLEX_API_KEYS`), all of one role and tenant."""
+        return cls(
+            {token_hash(t): Principal(role, tenant, f"configured key {i}") for i, t in enumerate(tokens)}
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self._by_hash)
+
+    def authenticate(self, authorization: str) -> Principal | None:
+        """The principal of an `Authorization: Bearer <token>` header; None if it names none."""
+        if not self._by_hash:
+            return ANONYMOUS
+        scheme, _, credentials = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return self._by_hash.get(token_hash(credentials.strip()))

@@ -14,12 +14,12 @@ client's connection as usual.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.responses import JSONResponse
 
+from loraplex.server.auth import ANONYMOUS, KeyTable
 from loraplex.server.limits import ServerLimits, too_large, too_many
 from loraplex.server.protocol import APIError
 
@@ -37,12 +37,12 @@ class Guard:
     def __init__(
         self,
         app: ASGIApp,
-        api_keys: frozenset[str],
+        keys: KeyTable,
         limits: ServerLimits,
         on_refused: Callable[[int], None] = lambda status: None,
     ) -> None:
         self.app = app
-        self.api_keys = api_keys
+        self.keys = keys
         self.limits = limits
         self.on_refused = on_refused
         self.pending = 0  # generation requests inside the app (one event loop: no lock needed)
@@ -52,7 +52,10 @@ class Guard:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if self.api_keys and path not in OPEN_PATHS and not self._authorized(scope):
+        principal = (
+            ANONYMOUS if path in OPEN_PATHS else self.keys.authenticate(_header(scope, b"authorization"))
+        )
+        if principal is None:
             await self._refuse(
                 scope,
                 receive,
@@ -62,6 +65,7 @@ class Guard:
                 ),
             )
             return
+        scope.setdefault("state", {})["principal"] = principal  # for the routes (tenants, roles)
         generation = path in GENERATION_PATHS and scope["method"] == "POST"
         if generation and self.pending >= self.limits.max_pending_requests:
             limit = self.limits.max_pending_requests
@@ -88,18 +92,6 @@ class Guard:
         finally:
             if generation:
                 self.pending -= 1
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = ""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                header = value.decode("latin-1")
-                break
-        scheme, _, credentials = header.partition(" ")
-        token = credentials.strip().encode("latin-1", "replace")
-        # compare_digest keeps the comparison time independent of how much of a key matched
-        matches = [hmac.compare_digest(token, key.encode()) for key in self.api_keys]
-        return scheme.lower() == "bearer" and any(matches)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.limits.max_body_bytes
@@ -129,6 +121,13 @@ class Guard:
         self.on_refused(err.status)
         response = JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         await response(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

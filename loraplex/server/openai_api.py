@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.adapters.registry import UnknownAdapterError
 from loraplex.server.async_engine import AsyncEngine
+from loraplex.server.auth import KeyTable
 from loraplex.server.choices import ChoiceRun, collect, run_choices
 from loraplex.server.guard import Guard
 from loraplex.server.limits import ServerLimits
@@ -118,7 +119,7 @@ def create_app(
     describe_routes(app)
     app.add_middleware(
         Guard,
-        api_keys=api_keys,
+        keys=KeyTable.from_tokens(sorted(api_keys)),
         limits=limits,
         on_refused=lambda status: metrics.refused.labels(str(status)).inc(),
     )

@@ -164,3 +164,14 @@ def test_limits_validate_themselves(bad: dict) -> None:
         ServerLimits(**bad)
     with pytest.raises(ValueError, match="max_body_byte"):
         ServerLimits.from_mapping({"max_body_byte": 5})
+
+
+def test_key_table_holds_hashes_and_names_the_principal() -> None:
+    from loraplex.server.auth import ANONYMOUS, KeyTable, token_hash
+
+    keys = KeyTable.from_tokens(["k1", "k2"])
+    assert keys.authenticate("Bearer k2") is not None and keys.authenticate("bearer  k1 ").tenant == "default"
+    for bad in ("", "Bearer", "Bearer k3", "Basic k1", "k1", "Bearer \ud800"):
+        assert keys.authenticate(bad) is None, bad
+    assert "k1" not in repr(keys.__dict__) and token_hash("k1") in keys.__dict__["_by_hash"]
+    assert KeyTable().authenticate("") is ANONYMOUS  # no keys configured: open, default tenant
