@@ -58,9 +58,13 @@ def too_large(message: str, param: str | None = None) -> APIError:
 
 
 def too_many(message: str, retry_after_s: int = 1) -> APIError:
-    err = APIError(429, message, type_="rate_limit_error", code="too_many_requests")
-    err.headers = {"Retry-After": str(retry_after_s)}
-    return err
+    return APIError(
+        429,
+        message,
+        type_="rate_limit_error",
+        code="too_many_requests",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 def check_count(value: int, limit: int, what: str, param: str) -> None:
@@ -68,3 +72,54 @@ def check_count(value: int, limit: int, what: str, param: str) -> None:
     the parameter, as OpenAI answers an out-of-range parameter."""
     if value > limit:
         raise APIError(400, f"{what} is {value}; the server's limit is {limit}", param=param)
+
+
+@dataclass(frozen=True)
+class TenantQuotas:
+    """What one tenant may hold and use (stored in the registry's tenants table; None: no quota).
+    The first four are enforced by the control plane and the door; the last two are stored for
+    residency, which enforces them."""
+
+    max_adapters: int | None = None  # registered revisions (not retired)
+    max_rank: int | None = None
+    max_adapter_bytes: int | None = None  # total bytes of the tenant's registered adapters
+    max_concurrent_requests: int | None = None
+    cold_load_bytes_per_minute: int | None = None
+    device_residency_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"quota {f.name} must be a positive integer or absent, got {value!r}")
+
+    @classmethod
+    def from_mapping(cls, raw: dict[str, Any]) -> TenantQuotas:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown quotas: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**raw)
+
+    def check_registration(self, tenant: str, adapters_after: int, rank: int, bytes_after: int) -> None:
+        """Refuse a registration that would take `tenant` past a quota (403 not allowed, 413 size)."""
+        if self.max_adapters is not None and adapters_after > self.max_adapters:
+            raise forbidden(f"tenant {tenant!r} may register at most {self.max_adapters} adapters")
+        if self.max_rank is not None and rank > self.max_rank:
+            raise forbidden(
+                f"tenant {tenant!r} may register ranks up to {self.max_rank}; this adapter has {rank}"
+            )
+        if self.max_adapter_bytes is not None and bytes_after > self.max_adapter_bytes:
+            raise too_large(
+                f"tenant {tenant!r} may hold {self.max_adapter_bytes} bytes of adapters; this one would "
+                f"bring it to {bytes_after}"
+            )
+
+    def check_concurrency(self, tenant: str, running: int) -> None:
+        """Refuse a request past the tenant's concurrent requests (429 with Retry-After)."""
+        if self.max_concurrent_requests is not None and running >= self.max_concurrent_requests:
+            raise too_many(f"tenant {tenant!r} has {running} requests running, its limit; retry")
+
+
+def forbidden(message: str) -> APIError:
+    return APIError(403, message, type_="permission_error", code="quota_exceeded")

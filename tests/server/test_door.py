@@ -175,3 +175,29 @@ def test_key_table_holds_hashes_and_names_the_principal() -> None:
         assert keys.authenticate(bad) is None, bad
     assert "k1" not in repr(keys.__dict__) and token_hash("k1") in keys.__dict__["_by_hash"]
     assert KeyTable().authenticate("") is ANONYMOUS  # no keys configured: open, default tenant
+
+
+def test_tenant_quotas_use_the_same_status_codes() -> None:
+    from loraplex.server.errors import APIError
+    from loraplex.server.limits import TenantQuotas
+
+    quotas = TenantQuotas.from_mapping({"max_adapters": 2, "max_rank": 16, "max_adapter_bytes": 1000})
+    quotas.check_registration("acme", adapters_after=2, rank=16, bytes_after=1000)  # at the quotas: fine
+    for kwargs, status in (
+        ({"adapters_after": 3, "rank": 8, "bytes_after": 10}, 403),
+        ({"adapters_after": 1, "rank": 32, "bytes_after": 10}, 403),
+        ({"adapters_after": 1, "rank": 8, "bytes_after": 1001}, 413),
+    ):
+        with pytest.raises(APIError) as refused:
+            quotas.check_registration("acme", **kwargs)
+        assert refused.value.status == status and "acme" in refused.value.message
+    busy = TenantQuotas(max_concurrent_requests=4)
+    busy.check_concurrency("acme", 3)
+    with pytest.raises(APIError) as refused:
+        busy.check_concurrency("acme", 4)
+    assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
+    TenantQuotas().check_registration("acme", 10**6, 10**6, 10**12)  # no quotas: nothing refused
+    with pytest.raises(ValueError, match="max_adaptors"):
+        TenantQuotas.from_mapping({"max_adaptors": 1})
+    with pytest.raises(ValueError, match="max_rank"):
+        TenantQuotas(max_rank=0)
