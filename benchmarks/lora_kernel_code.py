@@ -197,31 +197,21 @@ def _table(shapes: dict, ranks: list[int], device: Any, targets: tuple[str, ...]
 def _static_meta(row_slots: list[int], null_slot: int, block_r: int, device: Any) -> Any:
     """A CUDA-graph decode step's metadata, laid out in the static buffers as `StaticDecodeRunner`
     lays it out (segments cut to SEGMENT_ROWS rows, padded up to a power of two on the null slot)."""
-    from loraplex.engine.cuda_graphs import SEGMENT_ROWS, _StaticInputs, batch_bucket
+    from loraplex.engine.cuda_graphs import (
+        SEGMENT_ROWS,
+        _StaticInputs,
+        batch_bucket,
+        cut_segments,
+        pack_lora_rows,
+    )
     from loraplex.lora.metadata import LoRABatchMetadata, StaticLoRAShape
 
     b = batch_bucket(len(row_slots), 256)
     assert b is not None
     inputs = _StaticInputs(b, 4, device, 1)
-    by_slot: dict[int, list[int]] = {}
-    for row, slot in enumerate(row_slots):
-        by_slot.setdefault(slot, []).append(row)
-    segments = [
-        (s, rows[i : i + SEGMENT_ROWS])
-        for s, rows in by_slot.items()
-        for i in range(0, len(rows), SEGMENT_ROWS)
-    ]
+    segments, _ = cut_segments(row_slots)
     cap = min(1 << (len(segments) - 1).bit_length(), b)
-    h64, perm, slots, offsets = inputs.h64, 3 * b, 4 * b, 5 * b
-    pos = 0
-    for s, (slot, rows) in enumerate(segments):
-        h64[perm + pos : perm + pos + len(rows)] = rows
-        pos += len(rows)
-        h64[slots + s] = slot
-        h64[offsets + s + 1] = pos
-    k = len(segments)
-    h64[slots + k : slots + cap] = null_slot  # empty segments on the null slot (rank 0)
-    h64[offsets + k + 1 : offsets + cap + 1] = pos
+    pack_lora_rows(inputs, segments, cap, null_slot)
     inputs.upload()
     groups = frozenset((0, g) for g in GROUP_TARGETS)
     return LoRABatchMetadata(

@@ -173,7 +173,7 @@ class StaticDecodeRunner:
         n = len(chunks)
         b = batch_bucket(n, self.max_batch)
         assert b is not None
-        segments, distinct = self._segments(slots.slots)
+        segments, distinct = cut_segments(slots.slots)
         lora_key = None
         if segments:
             epoch, null_slot = self.lora_backend.graph_epoch(self.lora_table, self.device)
@@ -189,7 +189,7 @@ class StaticDecodeRunner:
         self._fill(inputs, chunks, n)
         if segments:
             assert lora_key is not None  # set above whenever the step has LoRA segments
-            self._fill_lora(inputs, segments, lora_key[0], null_slot)
+            pack_lora_rows(inputs, segments, lora_key[0], null_slot)
         inputs.upload()
         if captured.graph is not None:
             captured.graph.replay()
@@ -201,18 +201,6 @@ class StaticDecodeRunner:
         return logits[:n], len(distinct)
 
     # --- host side ------------------------------------------------------------------------------
-
-    def _segments(self, row_slots: list[int]) -> tuple[list[tuple[int, list[int]]], list[int]]:
-        """Rows grouped by slot (order of first appearance), cut into pieces of SEGMENT_ROWS."""
-        by_slot: dict[int, list[int]] = {}
-        for row, slot in enumerate(row_slots):
-            if slot != BASE_SLOT:
-                by_slot.setdefault(slot, []).append(row)
-        segments = []
-        for slot, rows in by_slot.items():
-            for i in range(0, len(rows), SEGMENT_ROWS):
-                segments.append((slot, rows[i : i + SEGMENT_ROWS]))
-        return segments, list(by_slot)
 
     def _max_rank(self, slot: int) -> int:
         if self._ranks_version != self.lora_table.version:
@@ -239,22 +227,6 @@ class StaticDecodeRunner:
         h64[b + n : 2 * b] = 0
         h64[2 * b + n : 3 * b] = -1
         h32[n:b] = 0
-
-    def _fill_lora(
-        self, inputs: _StaticInputs, segments: list[tuple[int, list[int]]], cap: int, null_slot: int
-    ) -> None:
-        b, h64 = inputs.batch, inputs.h64
-        perm, slots, offsets = 3 * b, 4 * b, 5 * b
-        pos = 0
-        h64[offsets] = 0
-        for s, (slot, rows) in enumerate(segments):
-            h64[perm + pos : perm + pos + len(rows)] = rows
-            pos += len(rows)
-            h64[slots + s] = slot
-            h64[offsets + s + 1] = pos
-        k = len(segments)
-        h64[slots + k : slots + cap] = null_slot  # empty segments on the null slot (rank 0)
-        h64[offsets + k + 1 : offsets + cap + 1] = pos
 
     # --- device side ----------------------------------------------------------------------------
 
@@ -311,7 +283,7 @@ class StaticDecodeRunner:
         self._fill(inputs, (), 0)
         if key.lora is not None:
             _, null_slot = self.lora_backend.graph_epoch(self.lora_table, self.device)
-            self._fill_lora(inputs, [], key.lora[0], null_slot)
+            pack_lora_rows(inputs, [], key.lora[0], null_slot)
         inputs.upload()
         # Warm up outside the capture (kernel compilation, split-launch plans, lazy buffers).
         side = torch.cuda.Stream(self.device)
@@ -323,3 +295,36 @@ class StaticDecodeRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(inputs, captured)
         return graph, logits
+
+
+def cut_segments(row_slots: list[int]) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """Rows grouped by slot (order of first appearance; base rows left out), cut into pieces of
+    SEGMENT_ROWS rows. Returns the segments and the distinct slots."""
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(row_slots):
+        if slot != BASE_SLOT:
+            by_slot.setdefault(slot, []).append(row)
+    segments = []
+    for slot, rows in by_slot.items():
+        for i in range(0, len(rows), SEGMENT_ROWS):
+            segments.append((slot, rows[i : i + SEGMENT_ROWS]))
+    return segments, list(by_slot)
+
+
+def pack_lora_rows(
+    inputs: _StaticInputs, segments: list[tuple[int, list[int]]], cap: int, null_slot: int
+) -> None:
+    """Write a step's LoRA segments into the static host buffers: the row permutation, each
+    segment's slot and its end offset, and `cap - len(segments)` empty segments on the null slot."""
+    b, h64 = inputs.batch, inputs.h64
+    perm, slots, offsets = 3 * b, 4 * b, 5 * b
+    pos = 0
+    h64[offsets] = 0
+    for s, (slot, rows) in enumerate(segments):
+        h64[perm + pos : perm + pos + len(rows)] = rows
+        pos += len(rows)
+        h64[slots + s] = slot
+        h64[offsets + s + 1] = pos
+    k = len(segments)
+    h64[slots + k : slots + cap] = null_slot  # empty segments on the null slot (rank 0)
+    h64[offsets + k + 1 : offsets + cap + 1] = pos
