@@ -69,12 +69,28 @@ def _prompt_ids(req: WorkloadRequest, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(4, vocab) for _ in range(req.prompt_len)]
 
 
-def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str], dict[str, str]]:  # noqa: ANN401
+def _sized_config(args: ServeBenchArgs, workload: Workload, model_dir: str, dtype: str, sched: Any) -> Any:  # noqa: ANN401
+    """An engine config whose context fits the workload's longest request and whose LoRA rank
+    limit fits its adapters."""
+    from loraplex.config import CacheConfig, EngineConfig, LoRAConfig
+
+    longest = max(r.prompt_len + r.output_len for r in workload.requests)
+    return EngineConfig(
+        model_dir=model_dir,
+        dtype=dtype,
+        device=args.device,
+        cache=CacheConfig(block_size=16, max_model_len=longest + 1),
+        lora=LoRAConfig(max_rank=max([64, *workload.adapter_ranks])),
+        scheduler=sched,
+    )
+
+
+def _build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[str], dict[str, str]]:  # noqa: ANN401
     """The engine, the adapter name of each adapter index, and the directory of each adapter
     that came from one (the transformers + PEFT baseline loads those)."""
     import torch
 
-    from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+    from loraplex.config import EngineConfig, SchedulerConfig
     from loraplex.engine.engine import Engine
 
     spec = args.workload
@@ -102,25 +118,14 @@ def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str], dict[str, str]]
             raise ValueError(f"unknown random shape {args.random_shape!r}; use llama3-8b or tiny")
         hf_dict = (tiny_hf_dict if args.random_shape == "tiny" else llama3_8b_hf_dict)(args.random_layers)
         if args.hf_compare:
-            return _from_checkpoint(args, hf_dict, sched)
+            return _from_checkpoint(args, workload, hf_dict, sched)
         mc = ModelConfig.from_hf_dict(hf_dict)
-        device = torch.device(args.device)
-        longest = max(r.prompt_len + r.output_len for r in generate(spec).requests)
-        block = 16
-        config = EngineConfig(
-            model_dir="<random weights>",
-            dtype="bfloat16",
-            device=args.device,
-            cache=CacheConfig(block_size=block, max_model_len=longest + 1),
-            lora=LoRAConfig(max_rank=max(64, *generate(spec).adapter_ranks)),
-            scheduler=sched,
-        )
-        engine = Engine(config, model=random_model(mc, torch.bfloat16, device, spec.seed))
+        config = _sized_config(args, workload, "<random weights>", "bfloat16", sched)
+        engine = Engine(config, model=random_model(mc, torch.bfloat16, torch.device(args.device), spec.seed))
     from loraplex.bench.engine import random_adapter
 
     names = []
-    ranks = generate(spec).adapter_ranks
-    for i, rank in enumerate(ranks):
+    for i, rank in enumerate(workload.adapter_ranks):
         imported = random_adapter(
             engine.model_config, rank, 1000 + i, engine.config.torch_dtype, engine.device
         )
@@ -129,27 +134,17 @@ def _build_engine(args: ServeBenchArgs) -> tuple[Any, list[str], dict[str, str]]
 
 
 def _from_checkpoint(
-    args: ServeBenchArgs, hf_dict: dict[str, Any], sched: Any
+    args: ServeBenchArgs, workload: Workload, hf_dict: dict[str, Any], sched: Any
 ) -> tuple[Any, list[str], dict[str, str]]:  # noqa: ANN401
     """Random weights written as files first, so that transformers + PEFT load the same ones."""
     from loraplex.bench.serve_checkpoint import write_random_checkpoint
-    from loraplex.config import CacheConfig, EngineConfig, LoRAConfig
     from loraplex.engine.engine import Engine
 
-    workload = generate(args.workload)
     model_dir, adapter_dirs = write_random_checkpoint(
         hf_dict, workload.adapter_ranks, Path(args.workdir), args.device, args.workload.seed
     )
-    longest = max(r.prompt_len + r.output_len for r in workload.requests)
-    config = EngineConfig(
-        model_dir=model_dir,
-        dtype="float32" if args.device == "cpu" else "bfloat16",
-        device=args.device,
-        cache=CacheConfig(block_size=16, max_model_len=longest + 1),
-        lora=LoRAConfig(max_rank=max(64, *workload.adapter_ranks)),
-        scheduler=sched,
-    )
-    engine = Engine(config)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    engine = Engine(_sized_config(args, workload, model_dir, dtype, sched))
     names = [engine.register_adapter(name, path).name for name, path in adapter_dirs.items()]
     return engine, names, adapter_dirs
 
@@ -263,7 +258,7 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
         report["mode"] = "http"
         report["adapters"] = run_http(args.url, workload, args.api_key, progress)
     else:
-        engine, names, adapter_dirs = _build_engine(args)
+        engine, names, adapter_dirs = _build_engine(args, workload)
         report["mode"] = "in-process"
         # A few requests first, untimed: one-time costs of the process (first calls of each op)
         # would otherwise land on whichever run goes first and skew the ratio.
