@@ -30,21 +30,12 @@ class ServerLimits:
     max_json_depth: int = 32  # nesting of the request body's JSON
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name == "max_prompt_tokens":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"limit {f.name} must be a positive integer, got {value!r}")
+        _check_positive(self, "limit", optional={"max_prompt_tokens"})
 
     @classmethod
     def from_mapping(cls, raw: dict[str, Any]) -> ServerLimits:
         """From a config file's `[limits]` table; unknown keys are an error naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown limits: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        return cls(**raw)
+        return cls(**_known(cls, raw, "limits"))
 
     def with_overrides(self, **values: int | None) -> ServerLimits:
         """These limits with the given ones replaced (None leaves a limit as it is)."""
@@ -88,18 +79,11 @@ class TenantQuotas:
     device_residency_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"quota {f.name} must be a positive integer or absent, got {value!r}")
+        _check_positive(self, "quota", optional={f.name for f in fields(self)})
 
     @classmethod
     def from_mapping(cls, raw: dict[str, Any]) -> TenantQuotas:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown quotas: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        return cls(**raw)
+        return cls(**_known(cls, raw, "quotas"))
 
     def check_registration(self, tenant: str, adapters_after: int, rank: int, bytes_after: int) -> None:
         """Refuse a registration that would take `tenant` past a quota (403 not allowed, 413 size)."""
@@ -123,3 +107,23 @@ class TenantQuotas:
 
 def forbidden(message: str) -> APIError:
     return APIError(403, message, type_="permission_error", code="quota_exceeded")
+
+
+def _check_positive(settings: Any, what: str, optional: set[str]) -> None:  # noqa: ANN401
+    """Every field a positive integer; those named in `optional` may also be None."""
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if value is None and f.name in optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            absent = " or absent" if f.name in optional else ""
+            raise ValueError(f"{what} {f.name} must be a positive integer{absent}, got {value!r}")
+
+
+def _known(cls: Any, raw: dict[str, Any], what: str) -> dict[str, Any]:  # noqa: ANN401
+    """`raw` if every key is a field of `cls`; else a ValueError naming the unknown ones."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return raw
