@@ -9,7 +9,7 @@ alone.
 
 `dump` runs `TritonLoRABackend` (the default per-step tilings) on Llama-3-8B layer shapes and on
 the small shapes of the tests, as the engine calls it: eager steps, CUDA-graph decode steps
-(static metadata, with and without the split overlap of `lora_overlap` 1) and the way `bench
+(static metadata) and the way `bench
 kernels` times cases. Every launch is recorded; each distinct compiled kernel is written as PTX,
 cubin and SASS (cuobjdump, as shipped with triton), and `index.json` lists the launches in order
 with their grids and compile options.
@@ -194,31 +194,24 @@ def _table(shapes: dict, ranks: list[int], device: Any, targets: tuple[str, ...]
     return table
 
 
-def _static_meta(row_slots: list[int], null_slot: int, block_r: int, device: Any) -> Any:
-    """A CUDA-graph decode step's metadata, laid out in the static buffers as `StaticDecodeRunner`
-    lays it out (segments cut to SEGMENT_ROWS rows, padded up to a power of two on the null slot)."""
-    from loraplex.engine.cuda_graphs import (
-        SEGMENT_ROWS,
-        _StaticInputs,
-        batch_bucket,
-        cut_segments,
-        pack_lora_rows,
-    )
-    from loraplex.lora.metadata import LoRABatchMetadata, StaticLoRAShape
+def _static_meta(row_slots: list[int], table: Any, backend: Any, device: Any) -> Any:
+    """A CUDA-graph decode step's metadata, laid out in the static buffers as the engine's graph
+    runner lays it out (`lora/graph_inputs.py`: segments cut to SEGMENT_ROWS rows, padded up to a
+    power of two on the null slot)."""
+    import torch
+
+    from loraplex.engine.cuda_graphs import batch_bucket
+    from loraplex.lora.graph_inputs import LoRAGraphInputs
 
     b = batch_bucket(len(row_slots), 256)
     assert b is not None
-    inputs = _StaticInputs(b, 4, device, 1)
-    segments, _ = cut_segments(row_slots)
-    cap = min(1 << (len(segments) - 1).bit_length(), b)
-    pack_lora_rows(inputs, segments, cap, null_slot)
-    inputs.upload()
-    groups = frozenset((0, g) for g in GROUP_TARGETS)
-    return LoRABatchMetadata(
-        num_rows=b, row_perm=inputs.row_perm, seg_offsets=inputs.seg_offsets[: cap + 1],
-        seg_slots=inputs.seg_slots[:cap], seg_offsets_host=(), seg_slots_host=(), active_groups=groups,
-        static=StaticLoRAShape(rows=b, segments=cap, block_r=block_r, max_rows=SEGMENT_ROWS),
-    )  # fmt: skip
+    host = torch.zeros(LoRAGraphInputs.words(b), dtype=torch.int64)
+    words = host.to(device)
+    inputs = LoRAGraphInputs(b, host.numpy(), words, table, backend)
+    key, _ = inputs.pack(row_slots)
+    assert key is not None
+    words.copy_(host)  # the runner's upload
+    return inputs.metadata(key)
 
 
 def _spread(rows: int, adapters: int) -> list[int]:
@@ -229,10 +222,9 @@ def _spread(rows: int, adapters: int) -> list[int]:
 def run_cases(rec: Recorder, device: Any) -> None:
     import torch
 
-    from loraplex.layers.linear import LoRAStep
     from loraplex.lora.metadata import LoRABatchMetadata
     from loraplex.lora.ops_triton import TritonLoRABackend
-    from loraplex.lora.triton_config import block_r_for
+    from loraplex.lora.step import LoRAContext
 
     if device.type != "cuda":
         TritonLoRABackend._num_sms = lambda self, device: H200_SMS  # type: ignore[method-assign]
@@ -243,14 +235,12 @@ def run_cases(rec: Recorder, device: Any) -> None:
             out.append(out[-1] + w)
         return tuple(out)
 
-    def calls(name: str, shapes: dict, table: Any, ranks: list[int], row_slots: list[int], how: str) -> None:
+    def calls(name: str, shapes: dict, table: Any, row_slots: list[int], how: str) -> None:
         """One forward's LoRA calls. how: 'eager' (an eager engine step), 'bench' (`bench kernels`:
-        eager metadata, begun as a graph replay), 'graph' and 'graph-overlap' (a captured decode
-        step, `lora_overlap` 0/2 and 1)."""
+        eager metadata, begun as a graph replay), 'graph' (a captured decode step)."""
         be = TritonLoRABackend()
-        if how.startswith("graph"):
-            block_r = block_r_for(max(ranks[s] for s in set(row_slots)))
-            meta = _static_meta(row_slots, be.graph_epoch(table, device)[1], block_r, device)
+        if how == "graph":
+            meta = _static_meta(row_slots, table, be, device)
             rows = meta.num_rows
         else:
             meta = LoRABatchMetadata.build(row_slots, table, device)
@@ -259,27 +249,22 @@ def run_cases(rec: Recorder, device: Any) -> None:
             be.prepare(meta, table, device)
             be.begin_step(meta, table, device, replayed=True)
         else:
-            LoRAStep.begin(meta, table, be)
+            LoRAContext.begin(meta, table, be)
         for group, (d_in, widths) in shapes.items():
             x = torch.zeros(rows, d_in, dtype=torch.bfloat16, device=device)
             y = torch.zeros(rows, sum(widths), dtype=torch.bfloat16, device=device)
             args = (meta, table, 0, group, offsets(widths))
             rec.label = f"{name} | {how} | {group}"
-            if how == "graph-overlap":
-                part = be.shrink(x, *args)
-                if part is not None:
-                    be.expand(y, part)
-            else:
-                be.apply(y, x, *args)
+            be.apply(y, x, *args)
 
     def case(name: str, shapes: dict, ranks: list[int], row_slots: list[int], hows: tuple[str, ...],
              targets: tuple[str, ...] | None = None) -> None:  # fmt: skip
         print(f"{name}: {', '.join(hows)}", flush=True)
         table = _table(shapes, ranks, device, targets)
         for how in hows:
-            calls(name, shapes, table, ranks, row_slots, how)
+            calls(name, shapes, table, row_slots, how)
 
-    every = ("eager", "bench", "graph", "graph-overlap")
+    every = ("eager", "bench", "graph")
     case("llama decode M=64 D=32 r=16", LLAMA3_8B, [16] * 32, _spread(64, 32), every)
     case("llama decode M=64 D=32 r=mixed", LLAMA3_8B, [8, 16, 32, 64] * 8, _spread(64, 32), every)
     case("llama decode M=1 D=1 r=16", LLAMA3_8B, [16], [0], every)

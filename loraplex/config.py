@@ -219,30 +219,15 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 
 
-DEFAULT_LORA_OVERLAP = 2  # GraphConfig.lora_overlap: the whole LoRA op beside its base GEMM
-
-
 @dataclass(frozen=True)
 class GraphConfig:
     # Decode steps of up to this many sequences replay CUDA graphs (captured per batch-size bucket
     # on first use); 0 runs every step eagerly. Only on CUDA.
     cuda_graph_max_batch: int = 256
-    # How captured decode steps schedule each LoRA op against its base GEMM (docs/cuda-graphs.md):
-    # 0: the whole op (one fused launch) after the GEMM, adding into its output;
-    # 1: the op's shrink launch on a side stream beside the GEMM, its expand launch after it;
-    # 2: the whole op on a side stream beside the GEMM, its output added later by the consumer:
-    #    o and down add into the residual stream, gate_up into a delta the SiLU kernel adds (qkv
-    #    stays as in 0). On an H200 (bench engine, same-run pairs) 1 measured no faster than 0,
-    #    and 2 cut the LoRA step's cost over base-only by 0.02-0.03 of the base step: the default.
-    lora_overlap: int = DEFAULT_LORA_OVERLAP
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch must be >= 0 (0 turns CUDA graphs off)")
-        if self.lora_overlap not in (0, 1, 2):
-            raise ValueError(
-                "lora_overlap must be 0 (in place), 1 (shrink beside the GEMM) or 2 (whole op beside it)"
-            )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import cast
 
 from loraplex.config import (
-    DEFAULT_LORA_OVERLAP,
     CacheConfig,
     EngineConfig,
     GraphConfig,
@@ -35,7 +34,6 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,
         cuda_graph_max_batch: int = 256,
-        lora_overlap: int = DEFAULT_LORA_OVERLAP,
         progress: bool = False,
     ) -> None:
         config = EngineConfig(
@@ -48,7 +46,7 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
-            graphs=GraphConfig(cuda_graph_max_batch=cuda_graph_max_batch, lora_overlap=lora_overlap),
+            graphs=GraphConfig(cuda_graph_max_batch=cuda_graph_max_batch),
         )
         self._attach(Engine(config, progress=progress))
 

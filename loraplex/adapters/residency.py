@@ -29,7 +29,7 @@ from loraplex.lora.metadata import BASE_SLOT
 from loraplex.lora.weights import AdapterWeights, LoRASlotTable
 from loraplex.types import AdapterRef
 
-_BASE = frozenset((BASE_SLOT,))
+_NONE: frozenset[int] = frozenset()
 
 
 class Residency(Enum):
@@ -74,6 +74,9 @@ class AdapterResidency:
         self._free: list[int] = []  # freed slots, reused lowest first
         self._next_slot = 0
         self._pinned: frozenset[int] = frozenset()
+        # bumped whenever a revision's slot changes (load, evict): a slot map built at the same
+        # version maps the same adapters to the same slots and generations
+        self.version = 0
 
     # --- loading and freeing --------------------------------------------------------------------
 
@@ -88,12 +91,11 @@ class AdapterResidency:
         generation = self._generation.get(slot, -1) + 1
         self.table.set(slot, on_device)
         ranks = {key: pair.rank for key, pair in on_device.pairs.items()}
-        facts = SlotFacts(
-            slot, generation, ranks, on_device.groups, max(ranks.values(), default=0), on_device.nbytes
-        )
+        facts = SlotFacts(slot, generation, ranks, on_device.groups, on_device.max_rank, on_device.nbytes)
         self._generation[slot] = generation
         self._facts[slot] = facts
         self._slot_of[revision] = slot
+        self.version += 1
         return facts
 
     def evict(self, revision: str) -> None:
@@ -104,6 +106,7 @@ class AdapterResidency:
         if slot in self._pinned:
             raise SlotInUseError(f"slot {slot} of revision {revision[:12]} is pinned by the running step")
         del self._slot_of[revision]
+        self.version += 1
         del self._facts[slot]
         self._generation[slot] += 1
         self.table.clear(slot)
@@ -151,12 +154,16 @@ class AdapterResidency:
         (On every step's path: one pass over the rows, the rest over distinct slots only.)"""
         slot_of = self._slot_of
         slots = [BASE_SLOT if a is None else slot_of[a.revision] for a in adapters]
-        pinned = frozenset(slots)
-        if BASE_SLOT in pinned:
-            pinned = pinned - _BASE
-        self._pinned = pinned
+        pinned = set(slots)
+        pinned.discard(BASE_SLOT)
+        self._pinned = frozenset(pinned) if pinned else _NONE
         generation = self._generation
         return StepSlots(slots, {s: generation[s] for s in pinned})
+
+    def repin(self, step: StepSlots) -> None:
+        """Pin the slots of a map built earlier at this `version` (the caller checks it) for one
+        more step: a steady decode batch plans the same sequences step after step."""
+        self._pinned = frozenset(step.generations)
 
     def check(self, step: StepSlots) -> None:
         """Raise StaleSlotError if a slot of `step` changed content after the map was built."""
@@ -168,7 +175,7 @@ class AdapterResidency:
                 )
 
     def end_step(self) -> None:
-        self._pinned = frozenset()
+        self._pinned = _NONE
 
     @property
     def pinned(self) -> frozenset[int]:

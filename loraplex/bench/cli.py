@@ -35,9 +35,7 @@ def _engine(args: argparse.Namespace) -> int:
         steps=args.steps,
         profile=args.profile or None,
         graphs=False if args.no_graphs else None,
-        lora_overlap=args.lora_overlap,
         repeats=args.repeats,
-        also=tuple(v for v in (args.also or "").split(";") if v.strip()) or None,
     )
     report = run(bench_args, args.out)
     for name, value in summary_rows(report):
@@ -118,17 +116,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--repeats", type=int, help="alternating base-only / LoRA pairs (default 3, tiny 1)")
     e.add_argument("--profile", action="store_true", help="write torch.profiler tables of a few steps")
     e.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
-    e.add_argument(
-        "--lora-overlap",
-        type=int,
-        choices=(0, 1, 2),
-        help="LoRA ops against their base GEMMs: 0 after, 1 shrink beside, 2 whole op beside (default)",
-    )
-    e.add_argument(
-        "--also",
-        help="more LoRA scheduling modes timed in every repeat, ';'-separated: 'in-place', 'overlap', "
-        "'concurrent' (e.g. 'in-place;overlap')",
-    )
     e.add_argument("--out", type=Path, default=DEFAULT_ENGINE_OUT, help="output directory")
     e.set_defaults(run=_engine)
     s = sub.add_parser(

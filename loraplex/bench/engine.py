@@ -21,8 +21,6 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,6 @@ import torch
 
 from loraplex.adapters.peft_import import LAYOUT_VERSION, MANIFEST_FORMAT, ImportedAdapter
 from loraplex.config import (
-    DEFAULT_LORA_OVERLAP,
     CacheConfig,
     EngineConfig,
     GraphConfig,
@@ -39,7 +36,6 @@ from loraplex.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.engine import Engine
 from loraplex.lora.layout import TARGETS
 from loraplex.lora.weights import AdapterWeights, LoRAPair
@@ -67,13 +63,7 @@ class EngineBenchArgs:
     seed: int = 0
     profile: bool = False  # also profile a few decode steps per mode (torch.profiler tables)
     graphs: bool = True  # decode steps as CUDA-graph replays (the engine's default on CUDA)
-    # GraphConfig.lora_overlap: 0 in place, 1 shrink beside the GEMM, 2 whole op beside it (default)
-    lora_overlap: int = DEFAULT_LORA_OVERLAP
     repeats: int = 3  # base-only / LoRA pairs, alternating; medians reported
-    # More LoRA scheduling modes timed in every repeat of the same run (same model, adapters and
-    # GPU state): "in-place" (lora_overlap 0), "overlap" (the shrink beside the base GEMM, 1) or
-    # "concurrent" (the whole op beside it, 2)
-    also: tuple[str, ...] = ()
 
     @classmethod
     def preset(cls, tiny: bool, **overrides: Any) -> EngineBenchArgs:
@@ -334,9 +324,7 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         ),
         lora=LoRAConfig(max_rank=max(64, args.rank)),
         scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch)),
-        graphs=GraphConfig(
-            cuda_graph_max_batch=args.batch if args.graphs else 0, lora_overlap=args.lora_overlap
-        ),
+        graphs=GraphConfig(cuda_graph_max_batch=args.batch if args.graphs else 0),
     )
     engine = Engine(config, model=model)
 
@@ -354,26 +342,14 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
     # spread of the per-pair ratios shows how much one pair can be trusted.
     pairs = []
     base = lora = None
-    variants = {v: _LoRAVariant.parse(v, engine, args) for v in args.also} if names else {}
     for r in range(args.repeats):
         b = run_mode(engine, args, [], "base", profile=r == 0)
         m = run_mode(engine, args, names, "lora", profile=r == 0) if names else None
         base, lora = base or b, lora or m
-        pairs.append({"base_ms": b["step_ms"], "lora_ms": m["step_ms"] if m else None, "also": {}})
-        for v, variant in variants.items():
-            with variant.installed():
-                pairs[-1]["also"][v] = run_mode(engine, args, names, "lora " + v, profile=False)["step_ms"]
+        pairs.append({"base_ms": b["step_ms"], "lora_ms": m["step_ms"] if m else None})
     assert base is not None
     base_ms = statistics.median(p["base_ms"] for p in pairs)
     ratios = [p["lora_ms"] / p["base_ms"] for p in pairs] if lora else []
-    also = {}
-    for v in variants:
-        vr = [p["also"][v] / p["base_ms"] for p in pairs]
-        also[v] = {
-            "step_ms": statistics.median(p["also"][v] for p in pairs),
-            "over_base": statistics.median(vr),
-            "over_base_range": [min(vr), max(vr)],
-        }
 
     kv_token_bytes = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
     bytes_ = {
@@ -413,43 +389,11 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         "base_over_floor": base_ms / floor_ms,
         "lora_over_base": statistics.median(ratios) if ratios else None,  # median of per-pair ratios
         "lora_over_base_range": [min(ratios), max(ratios)] if ratios else None,
-        "also": also,  # per extra LoRA configuration (args.also): median step and ratios to base
     }
     report["targets"] = _targets(report)
     if out_dir is not None:
         write_report(report, out_dir, plot_png)
     return report
-
-
-@dataclass
-class _LoRAVariant:
-    """An extra LoRA scheduling mode of `--also`: its own static decode runner (graphs captured for
-    it), swapped into the engine while it is timed."""
-
-    engine: Engine
-    runner: StaticDecodeRunner | None
-
-    @classmethod
-    def parse(cls, spec: str, engine: Engine, args: EngineBenchArgs) -> _LoRAVariant:
-        modes = {"in-place": 0, "overlap": 1, "concurrent": 2}
-        if spec.strip() not in modes:
-            raise SystemExit(f"--also {spec!r}: expected a mode, 'in-place', 'overlap' or 'concurrent'")
-        overlap = modes[spec.strip()]
-        runner = engine.runner.static_decode
-        if runner is not None or overlap:  # an overlap mode runs the static path
-            capture = runner.capture if runner is not None else False
-            runner = engine.static_decode_runner(args.batch, capture=capture, lora_overlap=overlap)
-        return cls(engine, runner)
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        runner = self.engine.runner
-        saved = runner.static_decode
-        runner.static_decode = self.runner
-        try:
-            yield
-        finally:
-            runner.static_decode = saved
 
 
 def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -491,9 +435,6 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         (f"base / floor{floor_note}", ratio(report["base_over_floor"])),
         ("LoRA / base (median of pairs)", ratio(report["lora_over_base"])),
         ("LoRA / base, pair range", _range(report.get("lora_over_base_range"))),
-    ] + [
-        (f"LoRA [{v}] / base (median, range)", f"{ratio(a['over_base'])} ({_range(a['over_base_range'])})")
-        for v, a in report.get("also", {}).items()
     ]
 
 
@@ -502,11 +443,7 @@ def _mode_words(a: dict[str, Any]) -> str:
         return "eager: CUDA graphs exist only on CUDA"
     if not a.get("graphs", True):
         return "eager, no CUDA graphs"
-    return "CUDA-graph replays" + (
-        {0: "", 1: ", LoRA shrinks beside the base GEMMs", 2: ", LoRA ops beside the base GEMMs"}.get(
-            int(a.get("lora_overlap") or 0), ""
-        )
-    )
+    return "CUDA-graph replays, LoRA ops beside the base GEMMs"
 
 
 def _range(r: list[float] | None) -> str:

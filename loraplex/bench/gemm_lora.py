@@ -4,12 +4,10 @@ decode step is measured with the GEMM it runs next to (the engine's real situati
 
 Modes:
 - `base only`: the four GEMMs (qkv, o, gate_up, down), the baseline of the ratios;
-- `in place`: each GEMM, then the LoRA op adding into its output (the engine's default);
-- `split overlap`: the shrink on a side stream while the GEMM runs, the expand after it (the
-  engine's `lora_overlap`);
+- `in place`: each GEMM, then the LoRA op adding into its output (the engine's eager steps);
 - `side stream, delta`: the whole LoRA op on a side stream into a zeroed delta buffer while the
-  GEMM runs, joined after. The delta is never added, so this is the bound for a design in which
-  the next fused elementwise kernel adds it.
+  GEMM runs, joined after. The delta is never added: the engine's captured decode steps add it
+  for free in the consumer (`lora/step.py`), so this bounds them.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from loraplex.lora.triton_config import TwoLaunchTiling
 from loraplex.lora.weights import LoRASlotTable
 
 DTYPE = torch.bfloat16
-MODES = ("base only", "in place", "split overlap", "side stream, delta")
+MODES = ("base only", "in place", "side stream, delta")
 
 
 def layer_modes(
@@ -59,14 +57,6 @@ def layer_modes(
                 elif mode == "in place":
                     gemm(g)
                     be.apply(ys[g], xs[g], *args)
-                elif mode == "split overlap":
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        part = be.shrink(xs[g], *args)
-                    gemm(g)
-                    main.wait_stream(side)
-                    if part is not None:
-                        be.expand(ys[g], part)
                 else:  # side stream, delta
                     side.wait_stream(main)
                     with torch.cuda.stream(side):

@@ -8,12 +8,13 @@ copies, then the graph replays. Only launch shapes are baked into a graph, never
 
 - the batch is padded up to its bucket; a padding row is token 0 at position 0 with no KV write,
   no context and no adapter;
-- LoRA segments are cut to at most `SEGMENT_ROWS` rows (the decode tiling's row tile) and padded
-  with empty segments on the device table's null slot up to a power-of-two capacity, so a graph
-  is keyed by (bucket, segment capacity, rank tile) and captured on first use;
+- the LoRA part of the inputs is the LoRA package's (`lora/graph_inputs.py`): it packs the
+  step's rows into its share of the buffers and names the LoRA part of the graph key (segment
+  capacity, rank tile, device-table epoch), so a graph is keyed by (bucket, that part) and
+  captured on first use;
 - the LoRA backend updates its device tables in place when adapters load or are replaced, so a
   replay sees the new weights behind a slot; when the tables must be reallocated (their epoch
-  changes), the LoRA graphs are dropped and recaptured.
+  changes), graphs of older epochs are dropped and recaptured.
 
 `StaticDecodeRunner(capture=False)` runs the same static-buffer path eagerly: that is how the CPU
 tests check the buffers, padding and segment cutting; capture and replay need CUDA.
@@ -30,15 +31,13 @@ from loraplex.adapters.residency import StepSlots
 from loraplex.engine.scheduler import StepPlan
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.layers.attention_metadata import AttentionMetadata
-from loraplex.layers.linear import LoRAStep
 from loraplex.lora.backend import LoRABackend
-from loraplex.lora.layout import GROUP_SLICES
-from loraplex.lora.metadata import BASE_SLOT, LoRABatchMetadata, StaticLoRAShape
-from loraplex.lora.triton_config import DECODE, block_r_for
+from loraplex.lora.graph_inputs import LoRAGraphInputs, LoRAGraphKey
+from loraplex.lora.metadata import LoRABatchMetadata
+from loraplex.lora.step import LoRAContext
 from loraplex.lora.weights import LoRASlotTable
 from loraplex.model.llama import LlamaFamilyModel
 
-SEGMENT_ROWS = DECODE.block_m  # longest LoRA segment of a captured step: one row tile
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -55,21 +54,29 @@ def batch_bucket(n: int, max_batch: int) -> int | None:
 @dataclass(frozen=True)
 class GraphKey:
     batch: int
-    lora: tuple[int, int] | None  # (segment capacity, rank tile); None: no LoRA rows in the step
+    lora: LoRAGraphKey | None  # None: no LoRA rows in the step
 
 
 class _StaticInputs:
     """Device buffers of one bucket (plus pinned host twins), and the metadata views over them.
 
-    int64 buffer: ids [B] | positions [B] | KV slots [B] | LoRA row_perm [B] | seg_slots [B] |
-    seg_offsets [B + 1]; int32 buffer: context lens [B] | query_start [B + 1] | block table [B, W].
+    int64 buffer: ids [B] | positions [B] | KV slots [B] | the LoRA inputs' words; int32 buffer:
+    context lens [B] | query_start [B + 1] | block table [B, W].
     """
 
-    def __init__(self, batch: int, width: int, device: torch.device, vocab: int) -> None:
+    def __init__(
+        self,
+        batch: int,
+        width: int,
+        device: torch.device,
+        vocab: int,
+        lora_table: LoRASlotTable,
+        lora_backend: LoRABackend,
+    ) -> None:
         b = batch
         self.batch, self.width = b, width
         pin = device.type == "cuda"
-        self.host64 = torch.zeros(6 * b + 1, dtype=torch.int64, pin_memory=pin)
+        self.host64 = torch.zeros(3 * b + LoRAGraphInputs.words(b), dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(2 * b + 1 + b * width, dtype=torch.int32, pin_memory=pin)
         self.h64 = self.host64.numpy()
         self.h32 = self.host32.numpy()
@@ -94,9 +101,7 @@ class _StaticInputs:
             num_decode_seqs=b,
             static=True,
         )
-        self.row_perm = d64[3 * b : 4 * b]
-        self.seg_slots = d64[4 * b : 5 * b]
-        self.seg_offsets = d64[5 * b : 6 * b + 1]
+        self.lora = LoRAGraphInputs(b, self.h64[3 * b :], d64[3 * b :], lora_table, lora_backend)
         # Float32 logits [B, V], the output of every graph of this bucket. One per graph would
         # cost B * V * 4 bytes each (33 MB at B = 64 for a 128k vocabulary, 131 MB at B = 256)
         # for every LoRA segment capacity and rank tile the bucket meets, after the KV cache was
@@ -130,7 +135,6 @@ class StaticDecodeRunner:
         max_batch: int,
         max_model_len: int,
         capture: bool,
-        lora_overlap: int = 0,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -142,22 +146,13 @@ class StaticDecodeRunner:
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.capture = capture
-        # LoRA ops on a side stream beside the base GEMMs (GraphConfig.lora_overlap, see
-        # layers/linear.LoRAStep); without capture (CPU tests) the same arithmetic on one stream
-        self.lora_overlap = lora_overlap
-        self._side_stream = torch.cuda.Stream(device) if capture and lora_overlap else None
         self.width = -(-max_model_len // kv.block_size)
         self.replays = 0  # steps run on static buffers (graph replays when capturing)
         self.captures = 0
         self._inputs: dict[int, _StaticInputs] = {}
         self._graphs: dict[GraphKey, _Captured] = {}
-        self._epoch: int | None = None
+        self._epoch: int | None = None  # the LoRA device tables' epoch of the LoRA graphs kept
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._ranks: dict[int, int] = {}  # slot -> largest rank (for the rank tile), per table version
-        self._ranks_version = -1
-        self._all_groups = frozenset(
-            (layer, g) for layer in range(model.config.num_hidden_layers) for g in GROUP_SLICES
-        )
 
     def can_run(self, plan: StepPlan) -> bool:
         if batch_bucket(len(plan.chunks), self.max_batch) is None:
@@ -173,23 +168,19 @@ class StaticDecodeRunner:
         n = len(chunks)
         b = batch_bucket(n, self.max_batch)
         assert b is not None
-        segments, distinct = cut_segments(slots.slots)
-        lora_key = None
-        if segments:
-            epoch, null_slot = self.lora_backend.graph_epoch(self.lora_table, self.device)
-            if epoch != self._epoch:  # the device tables were reallocated: LoRA graphs read stale ones
-                self._graphs = {k: g for k, g in self._graphs.items() if k.lora is None}
-                self._epoch = epoch
-            cap = min(1 << (len(segments) - 1).bit_length(), b)
-            lora_key = (cap, block_r_for(max(self._max_rank(s) for s in distinct)))
-        key = GraphKey(b, lora_key)
         inputs = self._inputs_for(b)
-        captured = self._graphs.get(key) or self._record(key, inputs)
-
+        lora_key, distinct = inputs.lora.pack(slots.slots)
+        if lora_key is not None and lora_key.epoch != self._epoch:
+            # the device tables were reallocated: graphs of the older epoch read freed ones
+            self._graphs = {k: g for k, g in self._graphs.items() if k.lora is None}
+            self._epoch = lora_key.epoch
+        key = GraphKey(b, lora_key)
+        captured = self._graphs.get(key)
+        if captured is None:
+            captured = self._record(key, inputs)
+            if captured.graph is not None and lora_key is not None:
+                inputs.lora.pack(slots.slots)  # the capture recorded with an all-padding step
         self._fill(inputs, chunks, n)
-        if segments:
-            assert lora_key is not None  # set above whenever the step has LoRA segments
-            pack_lora_rows(inputs, segments, lora_key[0], null_slot)
         inputs.upload()
         if captured.graph is not None:
             captured.graph.replay()
@@ -198,17 +189,9 @@ class StaticDecodeRunner:
             logits = self._forward(inputs, captured)
         self.replays += 1
         assert logits is not None
-        return logits[:n], len(distinct)
+        return logits[:n], distinct
 
     # --- host side ------------------------------------------------------------------------------
-
-    def _max_rank(self, slot: int) -> int:
-        if self._ranks_version != self.lora_table.version:
-            self._ranks, self._ranks_version = {}, self.lora_table.version
-        rank = self._ranks.get(slot)
-        if rank is None:
-            rank = self._ranks[slot] = self.lora_table.weights(slot).max_rank
-        return rank
 
     def _fill(self, inputs: _StaticInputs, chunks: tuple, n: int) -> None:
         b, bs = inputs.batch, self.kv.block_size
@@ -232,42 +215,22 @@ class StaticDecodeRunner:
 
     def _inputs_for(self, b: int) -> _StaticInputs:
         if b not in self._inputs:
-            self._inputs[b] = _StaticInputs(b, self.width, self.device, self.model.config.vocab_size)
+            vocab = self.model.config.vocab_size
+            lora = (self.lora_table, self.lora_backend)
+            self._inputs[b] = _StaticInputs(b, self.width, self.device, vocab, *lora)
         return self._inputs[b]
 
     def _forward(self, inputs: _StaticInputs, captured: _Captured) -> torch.Tensor:
         meta = captured.lora_meta
-        lora = None
-        if meta is not None:
-            lora = LoRAStep.begin(
-                meta,
-                self.lora_table,
-                self.lora_backend,
-                overlap=self.lora_overlap == 1,
-                side_stream=self._side_stream,
-                concurrent=self.lora_overlap == 2,
-            )
+        lora = None if meta is None else LoRAContext.begin(meta, self.lora_table, self.lora_backend)
         hidden = self.model(inputs.ids, captured.attn, self.kv.k, self.kv.v, lora)
         # the float32 conversion, into the bucket's shared output buffer
         return inputs.logits.copy_(self.model.logits(hidden))
 
     def _record(self, key: GraphKey, inputs: _StaticInputs) -> _Captured:
-        b = key.batch
         # the decode launch is sized for the longest context any replay may have
         attn = replace(inputs.attn, max_context_len=self.max_model_len)
-        meta = None
-        if key.lora is not None:
-            cap, block_r = key.lora
-            meta = LoRABatchMetadata(
-                num_rows=b,
-                row_perm=inputs.row_perm,
-                seg_offsets=inputs.seg_offsets[: cap + 1],
-                seg_slots=inputs.seg_slots[:cap],
-                seg_offsets_host=(),
-                seg_slots_host=(),
-                active_groups=self._all_groups,
-                static=StaticLoRAShape(rows=b, segments=cap, block_r=block_r, max_rows=SEGMENT_ROWS),
-            )
+        meta = None if key.lora is None else inputs.lora.metadata(key.lora)
         captured = _Captured(attn, meta, None, None)
         if self.capture:
             captured.graph, captured.logits = self._capture(inputs, captured, key)
@@ -282,8 +245,7 @@ class StaticDecodeRunner:
         # the warm-up and the capture itself change no state.
         self._fill(inputs, (), 0)
         if key.lora is not None:
-            _, null_slot = self.lora_backend.graph_epoch(self.lora_table, self.device)
-            pack_lora_rows(inputs, [], key.lora[0], null_slot)
+            inputs.lora.pack_empty(key.lora)
         inputs.upload()
         # Warm up outside the capture (kernel compilation, split-launch plans, lazy buffers).
         side = torch.cuda.Stream(self.device)
@@ -295,36 +257,3 @@ class StaticDecodeRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(inputs, captured)
         return graph, logits
-
-
-def cut_segments(row_slots: list[int]) -> tuple[list[tuple[int, list[int]]], list[int]]:
-    """Rows grouped by slot (order of first appearance; base rows left out), cut into pieces of
-    SEGMENT_ROWS rows. Returns the segments and the distinct slots."""
-    by_slot: dict[int, list[int]] = {}
-    for row, slot in enumerate(row_slots):
-        if slot != BASE_SLOT:
-            by_slot.setdefault(slot, []).append(row)
-    segments = []
-    for slot, rows in by_slot.items():
-        for i in range(0, len(rows), SEGMENT_ROWS):
-            segments.append((slot, rows[i : i + SEGMENT_ROWS]))
-    return segments, list(by_slot)
-
-
-def pack_lora_rows(
-    inputs: _StaticInputs, segments: list[tuple[int, list[int]]], cap: int, null_slot: int
-) -> None:
-    """Write a step's LoRA segments into the static host buffers: the row permutation, each
-    segment's slot and its end offset, and `cap - len(segments)` empty segments on the null slot."""
-    b, h64 = inputs.batch, inputs.h64
-    perm, slots, offsets = 3 * b, 4 * b, 5 * b
-    pos = 0
-    h64[offsets] = 0
-    for s, (slot, rows) in enumerate(segments):
-        h64[perm + pos : perm + pos + len(rows)] = rows
-        pos += len(rows)
-        h64[slots + s] = slot
-        h64[offsets + s + 1] = pos
-    k = len(segments)
-    h64[slots + k : slots + cap] = null_slot  # empty segments on the null slot (rank 0)
-    h64[offsets + k + 1 : offsets + cap + 1] = pos

@@ -12,9 +12,9 @@ from loraplex.engine.scheduler import StepPlan
 from loraplex.host_to_device import to_device
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.layers.attention_metadata import AttentionMetadata
-from loraplex.layers.linear import LoRAStep
 from loraplex.lora.backend import LoRABackend
 from loraplex.lora.metadata import LoRABatchMetadata
+from loraplex.lora.step import LoRAContext
 from loraplex.lora.weights import LoRASlotTable
 from loraplex.model.llama import LlamaFamilyModel
 
@@ -124,7 +124,7 @@ class ModelRunner:
         lora_meta = LoRABatchMetadata.build_runs(lora_runs, len(input_ids), self.lora_table, dev)
         lora = None
         if lora_meta.num_segments:
-            lora = LoRAStep.begin(lora_meta, self.lora_table, self.lora_backend)
+            lora = LoRAContext.begin(lora_meta, self.lora_table, self.lora_backend)
         ids = to_device(input_ids, torch.int64, dev)
         hidden = self.model(ids, attn, self.kv.k, self.kv.v, lora, hidden_capture)
         rows = to_device(sample_rows + prompt_rows, torch.int64, dev)

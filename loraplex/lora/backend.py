@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -43,20 +43,6 @@ class LoRABackend(Protocol):
         group: str,
         slice_offsets: Sequence[int],
     ) -> None: ...
-
-    # `apply` in two halves, so the first can run while the base GEMM computes y (an opaque
-    # partial result in between; None: nothing to do for this call).
-    def shrink(
-        self,
-        x: torch.Tensor,
-        meta: LoRABatchMetadata,
-        table: LoRASlotTable,
-        layer: int,
-        group: str,
-        slice_offsets: Sequence[int],
-    ) -> Any | None: ...
-
-    def expand(self, y: torch.Tensor, partial: Any) -> None: ...
 
 
 def make_lora_backend(device: torch.device | str) -> LoRABackend:

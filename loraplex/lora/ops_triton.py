@@ -74,16 +74,6 @@ class _CallPlan:
         )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class LoRAPartial:
-    """A `shrink` result waiting for its `expand`: H and how it was launched."""
-
-    call: _CallPlan
-    h: torch.Tensor
-    meta: LoRABatchMetadata
-    slice_offsets: tuple[int, ...]
-
-
 _UNPLANNED = object()  # a call shape whose split plan is not made yet (None: no split plan fits)
 
 
@@ -264,29 +254,6 @@ class TritonLoRABackend:
             return
         self._launch_expand(y, self._launch_shrink(x, meta, call), meta, call)
         self.calls[group] += 1
-
-    def shrink(
-        self,
-        x: torch.Tensor,
-        meta: LoRABatchMetadata,
-        table: LoRASlotTable,
-        layer: int,
-        group: str,
-        slice_offsets: Sequence[int],
-    ) -> LoRAPartial | None:
-        """The first half of `apply` as its own launch (H = X A^T for every segment and slice),
-        so it can run while the base GEMM computes y; `expand` finishes the op. None: nothing to
-        do for this call (no launch)."""
-        call = self._plan_call(x, meta, table, layer, group, slice_offsets)
-        if call is None:
-            return None
-        self.calls[group] += 1
-        return LoRAPartial(call, self._launch_shrink(x, meta, call), meta, tuple(slice_offsets))
-
-    def expand(self, y: torch.Tensor, partial: LoRAPartial) -> None:
-        """y += s * H B^T for a `shrink` result, in place."""
-        self._check_y(y, None, partial.slice_offsets)
-        self._launch_expand(y, partial.h, partial.meta, partial.call)
 
     def _plan_call(
         self,

@@ -48,7 +48,7 @@ class DecodeTiling(TwoLaunchTiling):
     segments) chained by programmatic dependent launch on CUDA, whose grid is planned to fill the
     GPU (`plan_split`). The shrink uses the two-launch fields' block_m, block_k and shrink_block_r.
     Calls it does not take (a rank tile past split_max_rank, more row tiles than the grid budget,
-    the separate halves of `lora_overlap` 1) run as two launches with the two-launch fields."""
+    more segments than the decode grid takes) run as two launches with the two-launch fields."""
 
     split_max_rank: int  # the split launch only when the step's rank tile is at most this
     # grid budget of the shrink launch, programs per SM: at any rank tile; at rank tile 16 (fewer,

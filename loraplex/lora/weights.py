@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -34,19 +35,23 @@ class LoRAPair:
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    """One adapter in the execution layout: (layer index, target name) -> LoRAPair."""
+    """One adapter in the execution layout: (layer index, target name) -> LoRAPair.
+
+    Its facts (largest rank, bytes, groups covered) are computed once, on first use, and kept:
+    the pairs never change after construction, and steps read the facts of every adapter they run.
+    """
 
     pairs: Mapping[tuple[int, str], LoRAPair]
 
-    @property
+    @cached_property
     def max_rank(self) -> int:
         return max((p.rank for p in self.pairs.values()), default=0)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pairs.values())
 
-    @property
+    @cached_property
     def groups(self) -> frozenset[tuple[int, str]]:
         """(layer, group) pairs in which this adapter adapts at least one slice."""
         return frozenset((layer, TARGET_GROUP[t]) for layer, t in self.pairs)

@@ -16,9 +16,10 @@ from loraplex.config import ModelConfig
 from loraplex.layers.attention import paged_attention
 from loraplex.layers.attention_metadata import AttentionMetadata
 from loraplex.layers.fused import fused_ops, use_fused
-from loraplex.layers.linear import ColumnParallelLinear, LoRAStep, RowParallelLinear
+from loraplex.layers.linear import ColumnParallelLinear, RowParallelLinear
 from loraplex.layers.norm import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding
+from loraplex.lora.step import LoRAContext
 
 
 class Attention(nn.Module):
@@ -57,11 +58,11 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
-        lora: LoRAStep | None,
+        lora: LoRAContext | None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # x: [T, hidden]; residual: the stream o's output is added to next (a concurrent LoRA
-        # step adds o's LoRA output into it directly)
+        # x: [T, hidden]; residual: the stream o's output is added to next (the LoRA op may add
+        # o's LoRA output into it directly)
         t = x.shape[0]
         qkv = self.qkv_proj(x, lora)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
@@ -71,7 +72,7 @@ class Attention(nn.Module):
         q, k = rotary(attn.positions, q, k, attn.max_context_len, self.q_norm, self.k_norm)
         # v stays a strided view of qkv: both attention paths read it in place (no copy kernel)
         o = paged_attention(q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(t, q_size), lora, lora_into=residual)
+        return self.o_proj(o.reshape(t, q_size), lora, residual)
 
 
 class MLP(nn.Module):
@@ -99,21 +100,18 @@ class MLP(nn.Module):
         self.intermediate = i
 
     def forward(
-        self, x: torch.Tensor, lora: LoRAStep | None, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, lora: LoRAContext | None, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        # residual: the stream down's output is added to next (see Attention.forward). In a
-        # concurrent LoRA step gate_up's LoRA output goes to a delta that the activation adds.
-        delta = None
-        if lora is not None and lora.concurrent and residual is not None:
-            delta = torch.empty(x.shape[0], 2 * self.intermediate, dtype=x.dtype, device=x.device)
-        gate_up = self.gate_up_proj(x, lora, lora_into=delta, zero_into=True)
+        # residual: the stream down's output is added to next (see Attention.forward); gate_up's
+        # LoRA output may come back as a delta, which the activation adds
+        gate_up, delta = self.gate_up_proj.forward_deferred(x, lora)
         if use_fused(gate_up):
             h = fused_ops().silu_mul(gate_up, delta)
         else:
             if delta is not None:
                 gate_up = gate_up + delta
             h = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return self.down_proj(h, lora, lora_into=residual)
+        return self.down_proj(h, lora, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -132,7 +130,7 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
-        lora: LoRAStep | None,
+        lora: LoRAContext | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream entering this layer is hidden + residual (just hidden for the first
         layer, residual None). Returns (MLP output, residual stream before it): the add is left to
@@ -170,7 +168,7 @@ class LlamaFamilyModel(nn.Module):
         attn: AttentionMetadata,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
-        lora: LoRAStep | None,
+        lora: LoRAContext | None,
         hidden_capture: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids: [T] -> final normed hidden states [T, hidden].

@@ -121,3 +121,21 @@ def test_a_failed_load_changes_nothing() -> None:
     with pytest.raises(RuntimeError):
         res.load(REV_A, Broken({}))
     assert len(table) == 0 and res.num_resident == 0 and res.load(REV_B, _weights(4)).slot == 0
+
+
+def test_version_tracks_slot_changes_and_repin_pins_a_kept_map() -> None:
+    table = LoRASlotTable(2)
+    res = AdapterResidency(table, torch.float32, "cpu")
+    v0 = res.version
+    res.load(REV_A, _weights(4))
+    assert res.version == v0 + 1
+    res.load(REV_A, _weights(4))  # already resident: nothing changed
+    assert res.version == v0 + 1
+    step = res.step_slots([A, None, A])
+    res.end_step()
+    assert res.pinned == frozenset()
+    res.repin(step)  # the same map, one more step
+    assert res.pinned == {0}
+    res.end_step()
+    res.evict(REV_A)
+    assert res.version == v0 + 2

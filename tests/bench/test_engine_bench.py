@@ -74,17 +74,3 @@ def test_engine_bench_alternates_repeated_pairs() -> None:
     assert report["lora_over_base"] == pytest.approx(ratios[1])  # the median pair's ratio
     assert report["lora_over_base_range"] == pytest.approx([ratios[0], ratios[2]])
     assert report["base_step_ms"] == pytest.approx(sorted(p["base_ms"] for p in pairs)[1])
-
-
-def test_engine_bench_times_extra_lora_configurations_in_every_repeat() -> None:
-    also = ("overlap", "concurrent", "in-place")
-    args = EngineBenchArgs.preset(
-        True, layers=1, batch=2, context=8, adapters=2, steps=2, repeats=2, also=also
-    )
-    report = run(args, None, plot_png=False)
-    assert set(report["also"]) == set(also)
-    for v in also:
-        ratios = sorted(p["also"][v] / p["base_ms"] for p in report["pairs"])
-        assert report["also"][v]["over_base_range"] == pytest.approx([ratios[0], ratios[-1]])
-    with pytest.raises(SystemExit, match="expected a mode"):
-        run(EngineBenchArgs.preset(True, layers=1, batch=2, context=8, adapters=1, steps=1, also=("fast",)))

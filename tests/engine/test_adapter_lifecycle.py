@@ -265,3 +265,21 @@ def test_identical_content_under_two_names_shares_one_slot(env: dict) -> None:
     out_a, out_b = llm.generate([PROMPT, PROMPT], GREEDY, adapters=["alpha", "beta"])
     assert out_a.adapter == a and out_b.adapter == b
     assert out_a.token_ids == out_b.token_ids
+
+
+def test_slot_map_is_kept_for_a_steady_batch_and_rebuilt_when_slots_change(env: dict) -> None:
+    llm = LLM(env["model_dir"])
+    llm.register_adapter("good", env["good"])
+    engine = llm.engine
+    for i, name in enumerate(["good", None, "good"]):
+        engine.add_request(f"s{i}", PROMPT, GREEDY, name)
+    engine.step()  # prefill: a new plan
+    plan = engine.scheduler.schedule()  # a steady decode plan, twice
+    first = engine.slot_map(plan)
+    engine.residency.end_step()
+    assert engine.slot_map(plan) is first and engine.residency.pinned == {first.slots[0]}
+    engine.residency.end_step()
+    llm.register_adapter("late", env["late"])  # a new slot: the map is rebuilt
+    rebuilt = engine.slot_map(plan)
+    assert rebuilt is not first and rebuilt == first  # the same slots, built again
+    engine.residency.end_step()

@@ -11,7 +11,8 @@ import torch
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.cuda_graphs import SEGMENT_ROWS, batch_bucket
+from loraplex.engine.cuda_graphs import batch_bucket
+from loraplex.lora.graph_inputs import SEGMENT_ROWS
 
 ADAPTERS = {
     "r8": (8, ["q_proj", "v_proj"]),
@@ -20,7 +21,7 @@ ADAPTERS = {
 }
 
 
-def _llms(tmp_path: Path, max_batch: int, overlap: int = 0) -> tuple[LLM, LLM]:
+def _llms(tmp_path: Path, max_batch: int) -> tuple[LLM, LLM]:
     hf = build_hf_model("llama", seed=3)
     model_dir = save_hf_model(hf, tmp_path / "base")
     paths = {
@@ -32,7 +33,7 @@ def _llms(tmp_path: Path, max_batch: int, overlap: int = 0) -> tuple[LLM, LLM]:
         for name, path in paths.items():
             llm.register_adapter(name, path)
     e = llms[1].engine
-    e.runner.static_decode = e.static_decode_runner(max_batch, capture=False, lora_overlap=overlap)
+    e.runner.static_decode = e.static_decode_runner(max_batch, capture=False)
     return llms
 
 
@@ -44,25 +45,18 @@ def test_batch_buckets() -> None:
     assert batch_bucket(40, 40) == 40  # the configured maximum caps a bucket
 
 
-@pytest.mark.parametrize("overlap", [0, 1, 2], ids=["in-place", "shrink-beside-gemm", "lora-into-consumer"])
-def test_static_decode_matches_eager(tmp_path: Path, overlap: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from loraplex.layers import linear
+def test_static_decode_matches_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraplex.lora.step import LoRAContext
 
-    overlapped, concurrent = [], []
-    original = linear._LoRALinear._forward_overlapped
-    original_concurrent = linear._LoRALinear._forward_concurrent
+    beside: list[bool] = []  # per LoRA op run beside its GEMM: whether the step was static
+    original = LoRAContext._beside
 
-    def spy(self, x, lora):  # noqa: ANN001, ANN202
-        overlapped.append(self.group)
-        return original(self, x, lora)
+    def spy(self, x, base, lora_op):  # noqa: ANN001, ANN202
+        beside.append(self.meta.static is not None)
+        return original(self, x, base, lora_op)
 
-    def spy_concurrent(self, x, lora, into, zero_into):  # noqa: ANN001, ANN202
-        concurrent.append((self.group, zero_into))
-        return original_concurrent(self, x, lora, into, zero_into)
-
-    monkeypatch.setattr(linear._LoRALinear, "_forward_overlapped", spy)
-    monkeypatch.setattr(linear._LoRALinear, "_forward_concurrent", spy_concurrent)
-    eager, static = _llms(tmp_path, max_batch=24, overlap=overlap)
+    monkeypatch.setattr(LoRAContext, "_beside", spy)
+    eager, static = _llms(tmp_path, max_batch=24)
     g = torch.Generator().manual_seed(11)
     # 26 requests (more than the graphs' 24, so the first decode steps run eagerly), 18 rows of
     # one adapter (cut into two segments), every request a different length so the batch shrinks
@@ -78,7 +72,7 @@ def test_static_decode_matches_eager(tmp_path: Path, overlap: int, monkeypatch: 
     runner = static.engine.runner.static_decode
     assert runner is not None and runner.replays >= 20
     assert {k.batch for k in runner._graphs} >= {24, 16, 8}  # several buckets were used
-    assert any(k.lora and k.lora[0] >= 4 for k in runner._graphs)  # 4+ segments: the cut r16 rows
+    assert any(k.lora and k.lora.segments >= 4 for k in runner._graphs)  # 4+ segments: the cut r16 rows
     for i, (a, b) in enumerate(zip(out_eager, out_static, strict=True)):
         assert a.token_ids == b.token_ids, f"request {i} ({adapters[i]})"
         for lpa, lpb in zip(a.logprobs, b.logprobs, strict=True):
@@ -86,12 +80,8 @@ def test_static_decode_matches_eager(tmp_path: Path, overlap: int, monkeypatch: 
             for t in lpa:
                 assert lpa[t] == pytest.approx(lpb[t], abs=1e-5), (i, t)
     static.engine.check_integrity()
-    # mode 1: every group's shrink beside its GEMM; mode 2: o and down into the residual stream,
-    # gate_up into a zeroed delta, qkv in place (1's path not taken); each only when asked
-    want_overlapped = {"qkv", "o", "gate_up", "down"} if overlap == 1 else set()
-    assert set(overlapped) == want_overlapped
-    want_concurrent = {("o", False), ("gate_up", True), ("down", False)} if overlap == 2 else set()
-    assert set(concurrent) == want_concurrent
+    # static steps ran o, gate_up and down beside their GEMMs (qkv in place); eager steps never
+    assert beside and all(beside)
 
 
 def test_static_steps_are_reported(tmp_path: Path) -> None:

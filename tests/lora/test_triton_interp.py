@@ -339,30 +339,6 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
     assert be.graph_epoch(table, CPU)[0] == epoch + 1
 
 
-@pytest.mark.parametrize("tiling", [None, SMALL_PREFILL], ids=["default", "prefill"])
-def test_shrink_then_expand_equals_apply(tiling) -> None:  # noqa: ANN001
-    # the two halves the engine overlaps with the base GEMM give apply's two-launch result exactly
-    table = make_table([16, 8, 32], DTYPE, "cpu", seed=40, targets=[None, ("q", "up"), None])
-    slots = [0, 1, -1, 2, 2, 0, 1] * 3
-    meta = LoRABatchMetadata.build(slots, table)
-    split = _backend(tiling or replace(DECODE, split_max_rank=0))
-    halves = _backend(tiling)
-    gen = torch.Generator().manual_seed(41)
-    for group, (d_in, widths) in SMALL_SHAPES.items():
-        offs = slice_offsets(widths)
-        x = torch.randn(len(slots), d_in, generator=gen)
-        y0 = torch.randn(len(slots), offs[-1], generator=gen)
-        ya, yb = y0.clone(), y0.clone()
-        split.apply(ya, x, meta, table, 0, group, offs)
-        partial = halves.shrink(x, meta, table, 0, group, offs)
-        assert partial is not None
-        halves.expand(yb, partial)
-        assert torch.equal(ya, yb), group
-    base_only = LoRABatchMetadata.build([-1] * 3, table)
-    qkv = slice_offsets(SMALL_SHAPES["qkv"][1])
-    assert halves.shrink(torch.randn(3, 64), base_only, table, 0, "qkv", qkv) is None  # nothing launched
-
-
 def test_segment_tables_only_for_replayed_steps() -> None:
     # an eager step reads the slot tables (building per-step table views would cost more host time
     # than the load it saves); a step run as graph replays gathers the per-step tables

@@ -1,0 +1,119 @@
+"""The LoRA part of a captured decode step's static inputs: what to record at capture and what to
+rewrite before each replay.
+
+A CUDA graph cannot take new launch sizes per step, so the LoRA metadata of a captured step is
+*static* (`LoRABatchMetadata.static`): the row permutation, segment slots and segment offsets are
+views of the graph's input buffers, rewritten before every replay. Segments are cut to at most
+`SEGMENT_ROWS` rows (the decode tiling's row tile) and padded with empty segments on the device
+table's null slot up to a power-of-two capacity, so the LoRA launches of a graph depend only on
+(segment capacity, rank tile) — the LoRA part of its key — and the table epoch it was recorded
+under (a graph of an older epoch reads freed tables).
+
+The engine's graph runner owns the buffers (one host-to-device copy per replay for all its
+inputs) and hands this module a view of `words(batch)` int64 words; it never reads them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from loraplex.lora.backend import LoRABackend
+from loraplex.lora.metadata import BASE_SLOT, LoRABatchMetadata, StaticLoRAShape
+from loraplex.lora.triton_config import DECODE, block_r_for
+from loraplex.lora.weights import LoRASlotTable
+
+SEGMENT_ROWS = DECODE.block_m  # longest LoRA segment of a captured step: one row tile
+
+
+class LoRAGraphKey(NamedTuple):
+    segments: int  # segment capacity (a power of two, at most the batch)
+    block_r: int  # rank tile covering every adapter of the step
+    epoch: int  # the device tables' epoch the graph reads
+
+
+class LoRAGraphInputs:
+    """One batch bucket's static LoRA inputs: row_perm [B] | seg_slots [B] | seg_offsets [B + 1]."""
+
+    @staticmethod
+    def words(batch: int) -> int:
+        return 3 * batch + 1
+
+    def __init__(
+        self,
+        batch: int,
+        host: np.ndarray,
+        device_words: torch.Tensor,
+        table: LoRASlotTable,
+        backend: LoRABackend,
+    ) -> None:
+        b = batch
+        assert host.shape == (self.words(b),) and device_words.shape == (self.words(b),)
+        self.batch = b
+        self.table = table
+        self.backend = backend
+        self._host = host
+        self._row_perm = device_words[:b]
+        self._seg_slots = device_words[b : 2 * b]
+        self._seg_offsets = device_words[2 * b :]
+
+    def pack(self, row_slots: list[int]) -> tuple[LoRAGraphKey | None, int]:
+        """Write a step's LoRA rows into the host buffer (uploaded with the runner's other inputs).
+        Returns the graph key's LoRA part (None: no LoRA rows) and the number of distinct adapters."""
+        segments, distinct = cut_segments(row_slots)
+        if not segments:
+            return None, 0
+        epoch, null_slot = self.backend.graph_epoch(self.table, self._row_perm.device)
+        cap = min(1 << (len(segments) - 1).bit_length(), self.batch)
+        max_rank = max(self.table.weights(slot).max_rank for slot in distinct)
+        self._write(segments, cap, null_slot)
+        return LoRAGraphKey(cap, block_r_for(max_rank), epoch), len(distinct)
+
+    def pack_empty(self, key: LoRAGraphKey) -> None:
+        """An all-padding step (every segment empty, on the null slot): what a capture records with,
+        so the warm-up and the capture change no state."""
+        self._write([], key.segments, self.backend.graph_epoch(self.table, self._row_perm.device)[1])
+
+    def metadata(self, key: LoRAGraphKey) -> LoRABatchMetadata:
+        """The static metadata a graph of `key` is recorded with (views of the device buffer)."""
+        b, cap = self.batch, key.segments
+        return LoRABatchMetadata(
+            num_rows=b,
+            row_perm=self._row_perm,
+            seg_offsets=self._seg_offsets[: cap + 1],
+            seg_slots=self._seg_slots[:cap],
+            seg_offsets_host=(),
+            seg_slots_host=(),
+            active_groups=frozenset(),  # unused: a static step launches every group
+            static=StaticLoRAShape(rows=b, segments=cap, block_r=key.block_r, max_rows=SEGMENT_ROWS),
+        )
+
+    def _write(self, segments: list[tuple[int, list[int]]], cap: int, null_slot: int) -> None:
+        b, h = self.batch, self._host
+        perm, slots, offsets = 0, b, 2 * b
+        pos = 0
+        h[offsets] = 0
+        for s, (slot, rows) in enumerate(segments):
+            h[perm + pos : perm + pos + len(rows)] = rows
+            pos += len(rows)
+            h[slots + s] = slot
+            h[offsets + s + 1] = pos
+        k = len(segments)
+        h[slots + k : slots + cap] = null_slot  # empty segments on the null slot (rank 0)
+        h[offsets + k + 1 : offsets + cap + 1] = pos
+
+
+def cut_segments(row_slots: list[int]) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """Rows grouped by slot (order of first appearance; base rows left out), cut into pieces of
+    SEGMENT_ROWS rows. Returns the segments and the distinct slots."""
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(row_slots):
+        if slot != BASE_SLOT:
+            by_slot.setdefault(slot, []).append(row)
+    segments = []
+    for slot, rows in by_slot.items():
+        for i in range(0, len(rows), SEGMENT_ROWS):
+            segments.append((slot, rows[i : i + SEGMENT_ROWS]))
+    return segments, list(by_slot)
