@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,25 +37,35 @@ from loraplex.lora.triton_table import GroupTables, LoRADeviceTable, SegmentTabl
 from loraplex.lora.weights import LoRASlotTable
 
 
-@dataclass(frozen=True)
-class _StepInfo:
-    """What every call of one step shares, derived once from the metadata (host values only)."""
+@dataclass(slots=True)
+class _TritonStep:
+    """One step's plan: what every call of the step shares, made once per step by `begin_step`
+    (or by the first call of a step that did not begin so). Host values, plus the device tensors
+    the step's launches read besides the metadata."""
 
-    coverage: int  # OR of target bits over the step's slots
+    meta: LoRABatchMetadata
+    dev: LoRADeviceTable
+    version: int  # the device tables' version the plan was made against
+    coverage: int  # OR of target bits over the step's slots (-1: every slice, a captured step)
     block_r: int
     max_seg_rows: int
+    tiling: TwoLaunchTiling | None  # the backend's tiling when the plan was made
+    # the split launch's segment tables, gathered once for every layer (replayed steps only)
+    seg: SegmentTables | None = None
+    # every row's segment (`_row_segments`), and whether it was made by begin_step or in a capture
+    row_seg: torch.Tensor | None = None
+    row_seg_fixed: bool = False
+    # what every layer's call of one group shares, per (group, device, d_in, slice offsets)
+    groups: dict[tuple, _GroupCall] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
-class _CallPlan:
-    """One call's launch parameters, shared by its shrink and expand launches (built for every
-    call of an eager step, hence a slots class: a fifth of a frozen dataclass's build time)."""
+class _GroupCall:
+    """The launch parameters every layer's call of one group shares within a step."""
 
     dev: LoRADeviceTable
-    step: _StepInfo
+    step: _TritonStep
     tiling: TwoLaunchTiling
-    tabs: GroupTables
-    slice_mask: int
     n_slices: int
     n_segs: int
     row_tiles: int
@@ -63,15 +73,18 @@ class _CallPlan:
     r_chunks: int
     cols: list[int]
     widest: int
-    # the split launch's per-step segment tables of this (layer, group) (`begin_step`), if any
-    seg_tabs: GroupTables | None = None
 
-    def with_layer(self, tabs: GroupTables, slice_mask: int, seg_tabs: GroupTables | None) -> _CallPlan:
-        """This group's call for one layer: its tables and adapted slices, the rest shared."""
-        return _CallPlan(
-            self.dev, self.step, self.tiling, tabs, slice_mask, self.n_slices, self.n_segs,
-            self.row_tiles, self.split, self.r_chunks, self.cols, self.widest, seg_tabs,
-        )  # fmt: skip
+
+@dataclass(slots=True)
+class _CallPlan:
+    """One call: its group's shared parameters and this layer's tables and adapted slices (built
+    for every call of an eager step, hence a small slots class)."""
+
+    g: _GroupCall
+    tabs: GroupTables
+    slice_mask: int
+    # the split launch's per-step segment tables of this (layer, group) (`begin_step`), if any
+    seg_tabs: GroupTables | None
 
 
 _UNPLANNED = object()  # a call shape whose split plan is not made yet (None: no split plan fits)
@@ -99,20 +112,11 @@ class TritonLoRABackend:
         self.calls: Counter[str] = Counter()  # group name -> calls that launched the kernel pair
         self._tables: dict[torch.device, LoRADeviceTable] = {}
         self._sms: dict[torch.device, int] = {}
-        self._step_meta: LoRABatchMetadata | None = None
-        self._step_version = -1
-        self._step: _StepInfo | None = None
+        self._step: _TritonStep | None = None  # the current step's plan
         self._plans: dict[tuple, SplitPlan | None] = {}  # split grids per call shape (None: two launches)
-        # What every layer's call of one group shares within a step (tiling, split, columns), and
-        # the (layer, group) shapes already checked against the device tables' version.
-        self._call_cache: dict[tuple, _CallPlan] = {}
-        self._call_cache_of: tuple[_StepInfo, TwoLaunchTiling | None] | None = None
+        # the (layer, group) shapes already checked against the device tables' version
         self._checked: set[tuple] = set()
         self._checked_version = -1
-        # the step's segment tables (`begin_step`): (metadata, table version, tables)
-        self._seg: tuple[LoRABatchMetadata, int, SegmentTables] | None = None
-        # `_row_segments`: (metadata, rows' segments, whether begin_step or a capture made them)
-        self._row_seg: tuple[LoRABatchMetadata, torch.Tensor, bool] | None = None
 
     @property
     def total_calls(self) -> int:
@@ -132,14 +136,14 @@ class TritonLoRABackend:
         return self._tables[device]
 
     def prepare(self, meta: LoRABatchMetadata, table: LoRASlotTable, device: torch.device | str) -> None:
-        """Refresh the device tables and the per-step info outside the timed/captured region.
+        """Refresh the device tables and plan the step outside the timed/captured region.
 
         `apply` does this on its own; calling it first keeps host-to-device copies out of a
         CUDA-graph capture.
         """
         dev = self.device_table(device)
         dev.sync(table)
-        self._step_info(meta, dev)
+        self._step = self._new_step(meta, dev)
 
     def begin_step(
         self,
@@ -149,50 +153,43 @@ class TritonLoRABackend:
         replayed: bool | None = None,
     ) -> None:
         """Called once per forward, before its first `apply` (inside a CUDA-graph capture when
-        the step is captured): when the row-loop expand may run, find every row's segment; for
-        a step whose calls run as graph replays (`replayed`; by default a step with static
-        metadata or one being captured), gather the split launch's per-step segment tables now,
-        for every layer at once. An eager step does not: its calls would build views of the
-        gathered tables per (layer, group) on the host, about 0.7 ms a step on a 32-layer model,
-        for one dependent load fewer per kernel program. Calls of a step that did
-        not begin this way read the slot tables and find the rows' segments themselves."""
-        self._seg = self._row_seg = None
+        the step is captured): plans the step, and when the row-loop expand may run, finds every
+        row's segment; for a step whose calls run as graph replays (`replayed`; by default a step
+        with static metadata or one being captured), gathers the split launch's per-step segment
+        tables now, for every layer at once. An eager step does not: its calls would build views
+        of the gathered tables per (layer, group) on the host, about 0.7 ms a step on a 32-layer
+        model, for one dependent load fewer per kernel program. Calls of a step that did not
+        begin this way plan it themselves, read the slot tables and find the rows' segments."""
+        dev = self.device_table(device)
+        dev.sync(table)
+        step = self._step = self._new_step(meta, dev)
         tiling = self.tiling or DECODE
         if not isinstance(tiling, DecodeTiling) or meta.num_segments == 0:
             return
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments):
-            self._row_segments(meta, step_begins=True)  # the row-loop expand may run this step
+            self._row_segments(step, step_begins=True)  # the row-loop expand may run this step
         if replayed is None:
             capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
             replayed = meta.static is not None or capturing
-        if not replayed:
-            return
-        dev = self.device_table(device)
-        dev.sync(table)
-        self._seg = (meta, dev.version, dev.segment_tables(meta.seg_slots))
+        if replayed:
+            step.seg = dev.segment_tables(meta.seg_slots)
 
-    def _row_segments(self, meta: LoRABatchMetadata, step_begins: bool = False) -> torch.Tensor:
+    def _row_segments(self, step: _TritonStep, step_begins: bool = False) -> torch.Tensor:
         """[num_lora_rows] int32: the segment of every row of the segment order (num_segments for
         rows past the last segment), for the row-loop expand. Computed on the device once per
         step: by `begin_step` (inside the capture of a captured step, so replays recompute it from
         the live offsets), else by the first call that needs it."""
+        meta = step.meta
         device = meta.seg_offsets.device
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        cached = self._row_seg
         # A call's own copy made outside a capture that now uses it (a warm-up call of the same
-        # metadata) is made again inside, or the replays would read the warm-up's rows.
-        if cached is not None and cached[0] is meta and (cached[2] or not capturing):
-            return cached[1]
+        # plan) is made again inside, or the replays would read the warm-up's rows.
+        if step.row_seg is not None and (step.row_seg_fixed or not capturing):
+            return step.row_seg
         rows = torch.arange(meta.num_lora_rows, device=device)
-        row_seg = torch.searchsorted(meta.seg_offsets[1:], rows, right=True).to(torch.int32)
-        self._row_seg = (meta, row_seg, step_begins or capturing)
-        return row_seg
-
-    def _segment_tables(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> SegmentTables | None:
-        seg = self._seg
-        if seg is None or seg[0] is not meta or seg[1] != dev.version:
-            return None
-        return seg[2]
+        step.row_seg = torch.searchsorted(meta.seg_offsets[1:], rows, right=True).to(torch.int32)
+        step.row_seg_fixed = step_begins or capturing
+        return step.row_seg
 
     def graph_epoch(self, table: LoRASlotTable, device: torch.device | str) -> tuple[int, int]:
         """Bring the device tables up to date (in place where they fit) and return what a
@@ -202,15 +199,12 @@ class TritonLoRABackend:
         dev.sync(table)
         return dev.epoch, dev.null_slot
 
-    def _step_info(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> _StepInfo:
-        if meta is self._step_meta and dev.version == self._step_version and self._step is not None:
-            return self._step
+    def _new_step(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> _TritonStep:
         if meta.static is not None:
             # a captured step: every slice of every group (a replay's adapters are unknown; slices
             # of rank 0 read nothing), the rank tile and segment length it was recorded with
-            self._step = _StepInfo(-1, meta.static.block_r, meta.static.max_rows)
-            self._step_meta, self._step_version = meta, dev.version
-            return self._step
+            static = meta.static
+            return _TritonStep(meta, dev, dev.version, -1, static.block_r, static.max_rows, self.tiling)
         coverage, max_rank = 0, 0
         for slot in meta.seg_slots_host:
             if slot not in dev.slot_coverage:
@@ -219,9 +213,7 @@ class TritonLoRABackend:
             max_rank = max(max_rank, dev.slot_max_rank[slot])
         offs = meta.seg_offsets_host
         max_rows = max((offs[s + 1] - offs[s] for s in range(len(offs) - 1)), default=0)
-        self._step = _StepInfo(coverage, block_r_for(max_rank), max_rows)
-        self._step_meta, self._step_version = meta, dev.version
-        return self._step
+        return _TritonStep(meta, dev, dev.version, coverage, block_r_for(max_rank), max_rows, self.tiling)
 
     def _num_sms(self, device: torch.device) -> int:
         if device not in self._sms:
@@ -244,10 +236,10 @@ class TritonLoRABackend:
         if call is None:
             return
         self._check_y(y, x, slice_offsets)
-        tiling = call.tiling
+        tiling = call.g.tiling
         if (
             isinstance(tiling, DecodeTiling)
-            and call.step.block_r <= tiling.split_max_rank
+            and call.g.step.block_r <= tiling.split_max_rank
             and self._launch_split(y, x, meta, call, tiling, slice_offsets)
         ):
             self.calls[group] += 1
@@ -271,7 +263,9 @@ class TritonLoRABackend:
             return None
         dev = self.device_table(x.device)
         dev.sync(table)
-        step = self._step_info(meta, dev)
+        step = self._step
+        if step is None or step.meta is not meta or step.dev is not dev or step.version != dev.version:
+            step = self._step = self._new_step(meta, dev)  # a step that did not begin here
         slices = GROUP_SLICES[group]
         slice_mask = 0
         for i, t in enumerate(slices):
@@ -286,37 +280,27 @@ class TritonLoRABackend:
         if checked not in self._checked:
             self._check(x, dev, layer, slices, slice_mask, offsets)
             self._checked.add(checked)
-        owner = self._call_cache_of
-        if owner is None or owner[0] is not step or owner[1] is not self.tiling:
-            self._call_cache, self._call_cache_of = {}, (step, self.tiling)
-        shared = self._call_cache.get((group, x.device, x.shape[1], offsets))
-        if shared is None:
-            shared = self._group_call(x, meta, dev, step, slices, offsets)
-            self._call_cache[(group, x.device, x.shape[1], offsets)] = shared
-        seg = self._segment_tables(meta, dev) if isinstance(shared.tiling, DecodeTiling) else None
-        seg_tabs = seg.group(layer, group) if seg is not None else None
-        return shared.with_layer(dev.group(layer, group), slice_mask, seg_tabs)
+        if step.tiling is not self.tiling:  # a bench or test changed the tiling mid-step
+            step.groups.clear()
+            step.tiling = self.tiling
+        key = (group, x.device, x.shape[1], offsets)
+        g = step.groups.get(key)
+        if g is None:
+            g = step.groups[key] = self._group_call(x, step, slices, offsets)
+        seg = step.seg if isinstance(g.tiling, DecodeTiling) else None
+        return _CallPlan(g, dev.group(layer, group), slice_mask, seg.group(layer, group) if seg else None)
 
     def _group_call(
-        self,
-        x: torch.Tensor,
-        meta: LoRABatchMetadata,
-        dev: LoRADeviceTable,
-        step: _StepInfo,
-        slices: tuple[str, ...],
-        slice_offsets: tuple[int, ...],
-    ) -> _CallPlan:
-        """The parts of a call that every layer's call of this group shares in a step (tabs and
-        slice mask are the caller's to fill in)."""
+        self, x: torch.Tensor, step: _TritonStep, slices: tuple[str, ...], slice_offsets: tuple[int, ...]
+    ) -> _GroupCall:
+        """The parts of a call that every layer's call of this group shares in a step."""
         tiling = self.tiling or pick_tiling(step.max_seg_rows)
-        n_segs = meta.num_segments
+        n_segs = step.meta.num_segments
         row_tiles = _cdiv(step.max_seg_rows, tiling.block_m)
-        return _CallPlan(
-            dev=dev,
+        return _GroupCall(
+            dev=step.dev,
             step=step,
             tiling=tiling,
-            tabs=None,  # type: ignore[arg-type]
-            slice_mask=0,
             n_slices=len(slices),
             n_segs=n_segs,
             row_tiles=row_tiles,
@@ -328,31 +312,33 @@ class TritonLoRABackend:
 
     def _launch_shrink(self, x: torch.Tensor, meta: LoRABatchMetadata, c: _CallPlan) -> torch.Tensor:
         # h: [n_split, n_slices, R, BLOCK_R] float32; every block the expand reads is written first
-        k, dev, step, tiling = self._k, c.dev, c.step, c.tiling
+        g = c.g
+        k, dev, step, tiling = self._k, g.dev, g.step, g.tiling
         num_rows, d_in = meta.num_lora_rows, x.shape[1]
-        h = self._scratch((c.split.n_split, c.n_slices, num_rows, step.block_r), x.device)
-        k.lora_shrink_kernel[k.shrink_grid(c.n_segs * c.r_chunks, c.row_tiles, c.split.n_split)](
+        h = self._scratch((g.split.n_split, g.n_slices, num_rows, step.block_r), x.device)
+        k.lora_shrink_kernel[k.shrink_grid(g.n_segs * g.r_chunks, g.row_tiles, g.split.n_split)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, c.tabs.a_offs, c.tabs.ranks,
-            dev.n_slots, d_in, x.stride(0), num_rows, c.row_tiles,
-            N_SLICES=c.n_slices, SLICE_MASK=c.slice_mask, RANK_ALIGNED=dev.rank_aligned,
+            dev.n_slots, d_in, x.stride(0), num_rows, g.row_tiles,
+            N_SLICES=g.n_slices, SLICE_MASK=c.slice_mask, RANK_ALIGNED=dev.rank_aligned,
             W_ALIGN=16 // dev.base.element_size(),
             BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r,
-            BLOCK_RC=step.block_r // c.r_chunks, K_CHUNK=c.split.k_chunk,
+            BLOCK_RC=step.block_r // g.r_chunks, K_CHUNK=g.split.k_chunk,
             num_warps=tiling.shrink_warps, num_stages=tiling.shrink_stages,
         )  # fmt: skip
         return h
 
     def _launch_expand(self, y: torch.Tensor, h: torch.Tensor, meta: LoRABatchMetadata, c: _CallPlan) -> None:
-        k, dev, step, tiling, cols = self._k, c.dev, c.step, c.tiling, c.cols
-        grid = k.expand_grid(c.n_segs, c.row_tiles, _cdiv(c.widest, tiling.n_chunk), c.n_slices)
+        g = c.g
+        k, dev, step, tiling, cols = self._k, g.dev, g.step, g.tiling, g.cols
+        grid = k.expand_grid(g.n_segs, g.row_tiles, _cdiv(g.widest, tiling.n_chunk), g.n_slices)
         k.lora_expand_kernel[grid](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots,
             c.tabs.b_offs, c.tabs.ranks, c.tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows,
-            c.row_tiles, *cols,
-            N_SLICES=c.n_slices, SLICE_MASK=c.slice_mask, RANK_ALIGNED=dev.rank_aligned,
+            g.row_tiles, *cols,
+            N_SLICES=g.n_slices, SLICE_MASK=c.slice_mask, RANK_ALIGNED=dev.rank_aligned,
             W_ALIGN=16 // dev.base.element_size(), COLS_ALIGNED=all(v % 8 == 0 for v in cols),
             BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_R=step.block_r,
-            N_SPLIT=c.split.n_split, N_CHUNK=tiling.n_chunk,
+            N_SPLIT=g.split.n_split, N_CHUNK=tiling.n_chunk,
             num_warps=tiling.expand_warps, num_stages=tiling.expand_stages,
         )  # fmt: skip
 
@@ -376,8 +362,9 @@ class TritonLoRABackend:
         The shrink launch, then the expand launch: no program waits on another, so nothing needs
         to be resident at once. With PDL (CUDA) the expand's programs start while the shrink runs
         and load their B tiles before they wait for it."""
-        dev, step, cols = call.dev, call.step, call.cols
-        tiles = call.n_segs * call.row_tiles
+        g = call.g
+        dev, step, cols = g.dev, g.step, g.cols
+        tiles = g.n_segs * g.row_tiles
         n_slices = len(slice_offsets) - 1
         d_in = x.shape[1]
         # each slice's width, 0 for slices nobody adapts
@@ -385,12 +372,12 @@ class TritonLoRABackend:
             slice_offsets[i + 1] - slice_offsets[i] if call.slice_mask >> i & 1 else 0
             for i in range(n_slices)
         )
-        key = (tiling, tiles, call.r_chunks, d_in, widths, step.block_r, x.device, x.dtype)
+        key = (tiling, tiles, g.r_chunks, d_in, widths, step.block_r, x.device, x.dtype)
         cached = self._plans.get(key, _UNPLANNED)
         if cached is _UNPLANNED:
             sms = self._num_sms(x.device)
             cached = self._plans[key] = plan_split(
-                tiling, tiles, call.r_chunks, d_in, widths, step.block_r, sms
+                tiling, tiles, g.r_chunks, d_in, widths, step.block_r, sms
             )
         if not isinstance(cached, SplitPlan):
             return False
@@ -403,15 +390,15 @@ class TritonLoRABackend:
         if call.seg_tabs is not None:
             tabs, n_cols = call.seg_tabs, meta.num_segments
         common = dict(
-            N_SLICES=call.n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
+            N_SLICES=g.n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
             BLOCK_M=tiling.block_m, BLOCK_R=step.block_r, N_SPLIT=plan.split.n_split, USE_PDL=use_pdl,
             SEG_TABLES=call.seg_tabs is not None, num_stages=tiling.split_stages, **pdl,
         )  # fmt: skip
         shrink_stages = tiling.shrink_stages_for(step.block_r, plan.split.k_chunk // tiling.block_k)
         self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
-            n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, call.row_tiles,
-            SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // call.r_chunks,
+            n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, g.row_tiles,
+            SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // g.r_chunks,
             K_CHUNK=plan.split.k_chunk, num_warps=tiling.split_shrink_warps,
             **dict(common, num_stages=shrink_stages),
         )  # fmt: skip
@@ -422,7 +409,7 @@ class TritonLoRABackend:
         ch = plan.chunks
         self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_offs, tabs.ranks,
-            tabs.scales, n_cols, y.stride(0), meta.num_lora_rows, call.row_tiles, *cols,
+            tabs.scales, n_cols, y.stride(0), meta.num_lora_rows, g.row_tiles, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n,
             num_warps=tiling.split_expand_warps, **common,
@@ -443,13 +430,14 @@ class TritonLoRABackend:
     ) -> None:
         """The split launch's expand as the row-loop kernel: row tiles of the segment order
         (spanning segments) x column tiles of the adapted slices, `row_loop_block_n` columns each."""
-        cols = call.cols
+        g = call.g
+        cols = g.cols
         block_n = tiling.row_loop_block_n
         ch = [_cdiv(w, block_n) for w in widths] + [0] * (3 - len(widths))
         num_rows = meta.num_lora_rows
         cuda = y.device.type == "cuda"
         self._k.lora_expand_rows_kernel[(_cdiv(num_rows, tiling.block_m) * sum(ch),)](
-            y, call.dev.base, h, meta.row_perm, self._row_segments(meta), meta.seg_slots, tabs.b_offs,
+            y, g.dev.base, h, meta.row_perm, self._row_segments(g.step), meta.seg_slots, tabs.b_offs,
             tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
             ch[0], ch[0] + ch[1], sum(ch),
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=cuda, TABLE_ASM=cuda,

@@ -52,6 +52,12 @@ def _split_plans(be: TritonLoRABackend) -> list:
     return [p for p in be._plans.values() if p is not None]
 
 
+def _seg_tables(be: TritonLoRABackend, meta: LoRABatchMetadata) -> object:
+    """The current step plan's gathered segment tables, if the plan is `meta`'s."""
+    step = be._step
+    return step.seg if step is not None and step.meta is meta else None
+
+
 def _check_all_groups(
     be: TritonLoRABackend,
     slots: list[int],
@@ -63,7 +69,7 @@ def _check_all_groups(
     meta = LoRABatchMetadata.build(slots, table)
     be.begin_step(meta, table, CPU, replayed=replayed)  # as a captured step begins (or an eager one)
     if isinstance(be.tiling or DECODE, DecodeTiling):
-        assert (be._segment_tables(meta, be.device_table(CPU)) is not None) == replayed
+        assert (_seg_tables(be, meta) is not None) == replayed
     gen = torch.Generator().manual_seed(seed)
     base_rows = [i for i, s in enumerate(slots) if s == -1]
     for group in groups:
@@ -249,7 +255,8 @@ def test_calls_are_planned_per_step_and_tiling() -> None:
             y = y0.clone()
             be.apply(y, x, meta, table, layer, "qkv", offs)
             assert row_errors(y, reference(y0, x, meta, table, layer, "qkv", offs)).max() <= 1e-4
-        (shared,) = be._call_cache.values()
+        assert be._step is not None and be._step.meta is meta
+        (shared,) = be._step.groups.values()
         assert shared.tiling is tiling and shared.n_segs == meta.num_segments
 
 
@@ -311,7 +318,7 @@ def test_static_metadata_reads_live_mapping_and_weights(tiling) -> None:  # noqa
         d_in, widths = SMALL_SHAPES[group]
         offs = slice_offsets(widths)
         if isinstance(tiling, DecodeTiling):  # gathered per step from the live tables (a graph replays it)
-            assert be._segment_tables(meta, dev) is not None
+            assert _seg_tables(be, meta) is not None
         x = torch.randn(len(slots), d_in, generator=gen)
         y0 = torch.randn(len(slots), offs[-1], generator=gen)
         y = y0.clone()
@@ -346,7 +353,7 @@ def test_segment_tables_only_for_replayed_steps() -> None:
     meta = LoRABatchMetadata.build([0, 1, 1, -1, 0], table)
     be = _backend(SMALL_DECODE)
     be.begin_step(meta, table, CPU)
-    assert be._segment_tables(meta, be.device_table(CPU)) is None
+    assert _seg_tables(be, meta) is None
     be.begin_step(meta, table, CPU, replayed=True)
-    assert be._segment_tables(meta, be.device_table(CPU)) is not None
+    assert _seg_tables(be, meta) is not None
     _check_all_groups(be, [0, 1, 1, -1, 0], table)  # and its calls give the reference's result
