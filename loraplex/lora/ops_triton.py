@@ -376,9 +376,7 @@ class TritonLoRABackend:
         cached = self._plans.get(key, _UNPLANNED)
         if cached is _UNPLANNED:
             sms = self._num_sms(x.device)
-            cached = self._plans[key] = plan_split(
-                tiling, tiles, g.r_chunks, d_in, widths, step.block_r, sms
-            )
+            cached = self._plans[key] = plan_split(tiling, tiles, g.r_chunks, d_in, widths, step.block_r, sms)
         if not isinstance(cached, SplitPlan):
             return False
         plan = cached
