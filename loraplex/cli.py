@@ -88,6 +88,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="threads that parse, validate and tokenize requests (default: 4)",
     )
+    serve.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="registry, adapter store and writer lock (default: LORAPLEX_DATA_DIR, else "
+        "~/.local/share/loraplex)",
+    )
+    serve.add_argument(
+        "--allow-source-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a local directory the admin API may register adapters from (repeatable)",
+    )
+    serve.add_argument(
+        "--allow-source-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="an http(s) host (host:port off 80/443) the admin API may fetch adapters from (repeatable)",
+    )
     add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(subparser=serve)  # a config file's engine settings become this parser's defaults
@@ -164,6 +185,7 @@ def _ensure_tiny_model() -> Path:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from loraplex.adapters.data_dir import default_data_dir
     from loraplex.server.serve import ServerSettings, build_server, load_settings_file, run_server
 
     settings = load_settings_file(args.config) if args.config else ServerSettings()
@@ -186,6 +208,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     settings.api_keys = [*settings.api_keys, *args.api_key]
     settings.limits = limits_from_args(settings.limits, args)
     settings.prepare_workers = args.prepare_workers or settings.prepare_workers
+    settings.data_dir = args.data_dir or settings.data_dir or str(default_data_dir())
+    settings.source_roots = [*settings.source_roots, *args.allow_source_root]
+    settings.source_hosts = [*settings.source_hosts, *args.allow_source_host]
     print(f"loading {settings.model} ...", file=sys.stderr)
     server = build_server(settings, engine_config_from_args(settings.model, args))
     run_server(server, settings.host, settings.port)

@@ -19,7 +19,7 @@ DEFAULT_TENANT = "default"
 class Principal:
     role: str  # data | admin
     tenant: str
-    label: str
+    label: str  # who, in the audit log: a key's label and the start of its hash
 
 
 ANONYMOUS = Principal("data", DEFAULT_TENANT, "anonymous")
@@ -39,6 +39,13 @@ class KeyTable:
         return cls(
             {token_hash(t): Principal(role, tenant, f"configured key {i}") for i, t in enumerate(tokens)}
         )
+
+    def add(self, key_hash: str, principal: Principal) -> None:
+        # One dictionary assignment: the event loop's lookups see the key or not, never half of it.
+        self._by_hash[key_hash] = principal
+
+    def remove(self, key_hash: str) -> None:
+        self._by_hash.pop(key_hash, None)
 
     def __bool__(self) -> bool:
         return bool(self._by_hash)

@@ -23,9 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.adapters.registry import UnknownAdapterError
+from loraplex.server.admin_api import add_admin_routes
 from loraplex.server.async_engine import AsyncEngine
 from loraplex.server.auth import KeyTable
 from loraplex.server.choices import ChoiceRun, collect, run_choices
+from loraplex.server.control import ControlService
 from loraplex.server.guard import Guard
 from loraplex.server.limits import ServerLimits
 from loraplex.server.metrics import ServerMetrics
@@ -39,10 +41,13 @@ def create_app(
     async_engine: AsyncEngine,
     served_model: str,
     metrics: ServerMetrics,
-    api_keys: frozenset[str] = frozenset(),
+    keys: KeyTable | None = None,
     limits: ServerLimits | None = None,
     prepare_workers: int = 4,
+    control: ControlService | None = None,
 ) -> FastAPI:
+    """`keys`: None or empty, the data plane is open; `control`: the admin API and the tenants'
+    quotas (None: neither, as for an app over an engine with no data directory)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None)
     engine = async_engine.engine
@@ -116,10 +121,12 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await _respond(async_engine, renderer, request, await prepared(request, preparer.chat))
 
+    if control is not None:
+        add_admin_routes(app, control, limits.max_json_depth)
     describe_routes(app)
     app.add_middleware(
         Guard,
-        keys=KeyTable.from_tokens(sorted(api_keys)),
+        keys=keys if keys is not None else KeyTable(),
         limits=limits,
         on_refused=lambda status: metrics.refused.labels(str(status)).inc(),
     )
