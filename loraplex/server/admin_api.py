@@ -56,14 +56,6 @@ class CreateKey(BaseModel):
     label: str = Field(default="", max_length=256)
 
 
-ADMIN_REQUEST_MODELS: dict[str, type[BaseModel]] = {
-    f"{PREFIX}/adapters": RegisterAdapter,
-    f"{PREFIX}/aliases/{{alias}}": SetAlias,
-    f"{PREFIX}/tenants": CreateTenant,
-    f"{PREFIX}/keys": CreateKey,
-}
-
-
 def add_admin_routes(app: FastAPI, control: ControlService, max_json_depth: int) -> None:
     ops = AdminOps(control)
 

@@ -8,6 +8,8 @@ registry audits every write and every refusal it sees, with the caller's princip
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from loraplex.adapters.control_plane import RegistrationError
@@ -53,6 +55,15 @@ class AdminOps:
         self.control = control
         self.db = control.db
 
+    @contextmanager
+    def _audited(self, who: Principal, action: str, target: str) -> Iterator[None]:
+        """Audit a refusal raised by the checks inside (those the registry never saw)."""
+        try:
+            yield
+        except APIError as err:
+            self.db.record_refusal(who.label, action, target, err.message)
+            raise
+
     # --- adapters -------------------------------------------------------------------------------
 
     def register(
@@ -65,13 +76,14 @@ class AdminOps:
         visibility: str,
     ) -> dict[str, Any]:
         tenant = tenant or who.tenant
-        if tenant not in self.control.quotas:
-            raise not_found(f"unknown tenant {tenant!r}")
-        owners = {r.tenant for r in self.db.list_adapters(include_retired=True) if r.name == name}
-        if owners - {tenant}:
-            raise conflict(f"adapter name {name!r} belongs to another tenant")
-        if name in self.db.aliases():
-            raise conflict(f"{name!r} is an alias; an adapter cannot take its name")
+        with self._audited(who, "register", f"{name} from {source}"):
+            if tenant not in self.control.quotas:
+                raise not_found(f"unknown tenant {tenant!r}")
+            owners = {r.tenant for r in self.db.list_adapters(include_retired=True) if r.name == name}
+            if owners - {tenant}:
+                raise conflict(f"adapter name {name!r} belongs to another tenant")
+            if name in self.db.aliases():
+                raise conflict(f"{name!r} is an alias; an adapter cannot take its name")
         try:
             reg = self.control.plane.register(
                 name,
@@ -109,9 +121,10 @@ class AdminOps:
         }
 
     def retire(self, who: Principal, name: str, revision: str) -> dict[str, Any]:
-        rec = self._resolve(f"{name}@{revision}")
-        if rec.state != "active":
-            raise conflict(f"{rec.name}@{rec.revision[:12]} is already {rec.state}")
+        with self._audited(who, "state:draining", f"{name}@{revision}"):
+            rec = self._resolve(f"{name}@{revision}")
+            if rec.state != "active":
+                raise conflict(f"{rec.name}@{rec.revision[:12]} is already {rec.state}")
         self.db.set_state(rec.name, rec.revision, "draining", who.label)
         ref = AdapterRef(rec.name, rec.revision)
 
@@ -126,19 +139,20 @@ class AdminOps:
     # --- aliases --------------------------------------------------------------------------------
 
     def alias(self, who: Principal, alias: str, target: str) -> dict[str, Any]:
-        if not _ALIAS.fullmatch(alias):
-            raise APIError(
-                400,
-                f"invalid alias {alias!r}: letters, digits, '.', '_', '-' and '/', at most 256",
-                param="alias",
-            )
-        if "@" not in target:
-            raise APIError(400, f"target must be name@revision, got {target!r}", param="target")
-        if any(r.name == alias for r in self.db.list_adapters(include_retired=True)):
-            raise conflict(f"{alias!r} is an adapter's name; an alias cannot take it")
-        rec = self._resolve(target)
-        if rec.state != "active":
-            raise conflict(f"{rec.name}@{rec.revision[:12]} is {rec.state}; an alias needs an active one")
+        with self._audited(who, "alias", f"{alias} -> {target}"):
+            if not _ALIAS.fullmatch(alias):
+                raise APIError(
+                    400,
+                    f"invalid alias {alias!r}: letters, digits, '.', '_', '-' and '/', at most 256",
+                    param="alias",
+                )
+            if "@" not in target:
+                raise APIError(400, f"target must be name@revision, got {target!r}", param="target")
+            if any(r.name == alias for r in self.db.list_adapters(include_retired=True)):
+                raise conflict(f"{alias!r} is an adapter's name; an alias cannot take it")
+            rec = self._resolve(target)
+            if rec.state != "active":
+                raise conflict(f"{rec.name}@{rec.revision[:12]} is {rec.state}; an alias needs an active one")
         previous = self.db.aliases().get(alias)
         try:
             self.db.set_alias(alias, rec.name, rec.revision, who.label)
@@ -161,15 +175,15 @@ class AdminOps:
     # --- tenants and keys -------------------------------------------------------------------------
 
     def create_tenant(self, who: Principal, name: str, quotas: dict[str, Any]) -> dict[str, Any]:
-        if not _NAME.fullmatch(name) or len(name) > 128:
-            raise APIError(400, f"invalid tenant name {name!r}", param="name")
-        try:
-            parsed = TenantQuotas.from_mapping(quotas)
-        except (TypeError, ValueError) as err:
-            raise APIError(400, str(err), param="quotas") from None
-        if name in self.control.quotas:
-            self.db.record_refusal(who.label, "tenant", name, "exists")
-            raise conflict(f"tenant {name!r} exists")
+        with self._audited(who, "tenant", name):
+            if not _NAME.fullmatch(name) or len(name) > 128:
+                raise APIError(400, f"invalid tenant name {name!r}", param="name")
+            try:
+                parsed = TenantQuotas.from_mapping(quotas)
+            except (TypeError, ValueError) as err:
+                raise APIError(400, str(err), param="quotas") from None
+            if name in self.control.quotas:
+                raise conflict(f"tenant {name!r} exists")
         stored = {k: v for k, v in quotas.items() if v is not None}
         try:
             self.db.create_tenant(name, stored, who.label)
@@ -183,8 +197,9 @@ class AdminOps:
 
     def create_key(self, who: Principal, role: str, tenant: str | None, label: str) -> dict[str, Any]:
         tenant = tenant or who.tenant
-        if tenant not in self.control.quotas:
-            raise not_found(f"unknown tenant {tenant!r}")
+        with self._audited(who, "key", f"{role} key {label!r}"):
+            if tenant not in self.control.quotas:
+                raise not_found(f"unknown tenant {tenant!r}")
         try:
             token = self.db.create_key(role, tenant, label, who.label)
         except RegistryError as err:
@@ -201,8 +216,9 @@ class AdminOps:
 
     def revoke_key(self, who: Principal, key_id: str) -> dict[str, Any]:
         matches = [h for h in self.db.live_keys() if len(key_id) >= 8 and h.startswith(key_id.lower())]
-        if len(matches) != 1:
-            raise not_found(f"no live key {key_id!r} (give at least 8 characters of its key_id)")
+        with self._audited(who, "revoke", key_id[:64]):
+            if len(matches) != 1:
+                raise not_found(f"no live key {key_id!r} (give at least 8 characters of its key_id)")
         self.db.revoke_key(matches[0], who.label)
         self.control.keys.remove(matches[0])
         return {"key_id": matches[0][:16], "revoked": True}
