@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from loraplex.cli_admin import register as register_admin
 from loraplex.config_cli import add_engine_args, engine_config_from_args, engine_defaults_from_mapping
 from loraplex.server.limits_cli import add_limit_args, limits_from_args
 
@@ -113,11 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(subparser=serve)  # a config file's engine settings become this parser's defaults
 
-    adapters = sub.add_parser("adapters", help="adapter operations")
-    adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
-    listing = adapters_sub.add_parser("list", help="list the models and adapters a running server serves")
-    listing.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
-    listing.add_argument("--api-key", default=None)
+    register_admin(sub)  # adapters, tenants, keys
 
     tiny = sub.add_parser("build-tiny-model", help="write a tiny random Llama + character tokenizer")
     tiny.add_argument("path", type=Path, nargs="?", default=DEFAULT_TINY_DIR)
@@ -236,24 +233,6 @@ def merge_serve_adapters(
     return merged
 
 
-def _list_adapters(args: argparse.Namespace) -> int:
-    import urllib.request
-
-    req = urllib.request.Request(args.url.rstrip("/") + "/v1/models")
-    if args.api_key:
-        req.add_header("Authorization", f"Bearer {args.api_key}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            models = json.load(resp)["data"]
-    except OSError as err:
-        print(f"error: cannot reach a loraplex server at {args.url}: {err}", file=sys.stderr)
-        return 1
-    for m in models:
-        kind = "base" if m.get("parent") is None else f"adapter of {m['parent']}, revision {m['revision']}"
-        print(f"{m['id']}\t{kind}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -263,8 +242,6 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args, parser)
-        if args.command == "adapters":
-            return _list_adapters(args)
         if args.command == "build-tiny-model":
             from loraplex.demo.tiny_model import build_tiny_model
 

@@ -87,9 +87,26 @@ class AdapterRegistry:
         self._latest[name] = revision
         return ref
 
-    def set_alias(self, alias: str, ref: AdapterRef) -> None:
-        """Point `alias` at a registered, live revision (one assignment: atomic for admissions)."""
-        entry = self.resolve(ref)  # unknown or retired: raises, the alias stays as it was
+    def add_retired(
+        self, name: str, revision: str, manifest: dict[str, Any], tenant: str, visibility: str
+    ) -> None:
+        """Know a revision retired before this process started (never loaded): its name and pins
+        are answered as retired, not as unknown."""
+        check_adapter_name(name)
+        ref = AdapterRef(name, revision)
+        rank = int(manifest.get("max_rank", 0))
+        self._revisions.setdefault(name, {})[revision] = RegisteredRevision(
+            ref, rank, 0, manifest, tenant, visibility
+        )
+        self._retired.add(ref)
+
+    def set_alias(self, alias: str, ref: AdapterRef, restoring: bool = False) -> None:
+        """Point `alias` at a registered, live revision (one assignment: atomic for admissions).
+        `restoring`: an alias read back at startup may point at a retired revision (and answers
+        so)."""
+        entry = self._revisions.get(ref.name, {}).get(ref.revision) if restoring else None
+        if entry is None:
+            entry = self.resolve(ref)  # unknown or retired: raises, the alias stays as it was
         if alias in self._revisions:
             raise ValueError(f"alias {alias!r} is an adapter's name")
         self._aliases[alias] = entry.ref

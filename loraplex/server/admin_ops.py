@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from loraplex.adapters.control_plane import RegistrationError
-from loraplex.adapters.registry_db import AdapterRecord, RegistryError, hash_key
+from loraplex.adapters.registry_db import AdapterRecord, RegistryDB, RegistryError, hash_key
 from loraplex.server.auth import Principal
 from loraplex.server.control import ControlService, manifest_bytes
 from loraplex.server.errors import APIError
@@ -48,6 +48,29 @@ def record_json(rec: AdapterRecord, full: bool = False) -> dict[str, Any]:
         out["manifest"] = rec.manifest
         out["provenance"] = rec.provenance
     return out
+
+
+def adapter_detail(db: RegistryDB, name: str) -> dict[str, Any] | None:
+    """Every revision of `name` (retired ones too) and the aliases pointing at them; None: unknown."""
+    revisions = [r for r in db.list_adapters(include_retired=True) if r.name == name]
+    if not revisions:
+        return None
+    aliases = {a: f"{n}@{r}" for a, (n, r) in db.aliases().items() if n == name}
+    return {"name": name, "revisions": [record_json(r, full=True) for r in revisions], "aliases": aliases}
+
+
+def key_list(db: RegistryDB) -> list[dict[str, Any]]:
+    """The live keys, by the start of their hash (the token itself is never stored)."""
+    return [
+        {"key_id": h[:16], "role": k.role, "tenant": k.tenant, "label": k.label}
+        for h, k in db.live_keys().items()
+    ]
+
+
+def find_key(db: RegistryDB, key_id: str) -> str | None:
+    """The one live key whose hash starts with `key_id` (8 characters at least), else None."""
+    matches = [h for h in db.live_keys() if len(key_id) >= 8 and h.startswith(key_id.lower())]
+    return matches[0] if len(matches) == 1 else None
 
 
 class AdminOps:
@@ -110,15 +133,10 @@ class AdminOps:
         return [record_json(r) for r in self.db.list_adapters(include_retired=include_retired)]
 
     def adapter(self, name: str) -> dict[str, Any]:
-        revisions = [r for r in self.db.list_adapters(include_retired=True) if r.name == name]
-        if not revisions:
+        detail = adapter_detail(self.db, name)
+        if detail is None:
             raise not_found(f"unknown adapter {name!r}")
-        aliases = {a: f"{n}@{r}" for a, (n, r) in self.db.aliases().items() if n == name}
-        return {
-            "name": name,
-            "revisions": [record_json(r, full=True) for r in revisions],
-            "aliases": aliases,
-        }
+        return detail
 
     def retire(self, who: Principal, name: str, revision: str) -> dict[str, Any]:
         with self._audited(who, "state:draining", f"{name}@{revision}"):
@@ -209,19 +227,16 @@ class AdminOps:
         return {"token": token, "key_id": key_hash[:16], "role": role, "tenant": tenant, "label": label}
 
     def keys(self) -> list[dict[str, Any]]:
-        return [
-            {"key_id": h[:16], "role": k.role, "tenant": k.tenant, "label": k.label}
-            for h, k in self.db.live_keys().items()
-        ]
+        return key_list(self.db)
 
     def revoke_key(self, who: Principal, key_id: str) -> dict[str, Any]:
-        matches = [h for h in self.db.live_keys() if len(key_id) >= 8 and h.startswith(key_id.lower())]
+        key_hash = find_key(self.db, key_id)
         with self._audited(who, "revoke", key_id[:64]):
-            if len(matches) != 1:
+            if key_hash is None:
                 raise not_found(f"no live key {key_id!r} (give at least 8 characters of its key_id)")
-        self.db.revoke_key(matches[0], who.label)
-        self.control.keys.remove(matches[0])
-        return {"key_id": matches[0][:16], "revoked": True}
+        self.db.revoke_key(key_hash, who.label)
+        self.control.keys.remove(key_hash)
+        return {"key_id": key_hash[:16], "revoked": True}
 
     def audit(self, offset: int, limit: int) -> dict[str, Any]:
         if offset < 0 or not 1 <= limit <= 1000:

@@ -113,16 +113,18 @@ class ControlService:
         """Serve every active revision from the store, oldest first (so each name's newest is its
         latest), and every alias. A revision left draining by a stopped server has no requests
         any more: it is retired now."""
-        for rec in sorted(self.db.list_adapters(), key=lambda r: r.created_at):
+        for rec in sorted(self.db.list_adapters(include_retired=True), key=lambda r: r.created_at):
             if rec.state == "draining":
                 self.db.set_state(rec.name, rec.revision, "retired", STARTUP)
+            if rec.state != "active":
+                self.engine.adapters.add_retired(
+                    rec.name, rec.revision, rec.manifest, rec.tenant, rec.visibility
+                )
                 continue
             imported = self.store.get(rec.revision)
             self.engine.register_imported(rec.name, imported, rec.revision, rec.tenant, rec.visibility)
         for alias, (name, revision) in self.db.aliases().items():
-            ref = AdapterRef(name, revision)
-            if not self.engine.adapters.is_retired(ref):
-                self.engine.adapters.set_alias(alias, ref)
+            self.engine.adapters.set_alias(alias, AdapterRef(name, revision), restoring=True)
 
     def load_keys(self, data_tokens: list[str], admin_token: str | None) -> KeyTable:
         """The registry's live keys, the configured data keys (the default tenant's) and the
