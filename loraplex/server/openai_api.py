@@ -92,8 +92,17 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics_endpoint(request: Request) -> Response:
+        # Per-adapter series name adapters: an admin key sees them all; any other caller only the
+        # names its tenant may use (another tenant's private adapter stays unnamed).
+        principal: Principal = request.state.principal
+        names = None
+        if principal.role != "admin":
+            names = await _on_engine(
+                async_engine,
+                lambda e: {r.ref.name for r in e.adapters.list() if r.usable_by(principal.tenant)},
+            )
+        return Response(metrics.render(names), media_type="text/plain; version=0.0.4")
 
     def base_entry() -> dict[str, Any]:
         return {

@@ -100,6 +100,12 @@ def test_tenants_see_and_use_only_their_own_and_shared(
             )
             model = httpx.get(f"{base}/v1/models/{spec}", headers=auth(globex))
             assert model.status_code == 404
+
+        def metrics(key: str) -> str:
+            return httpx.get(f"{base}/metrics", headers=auth(key)).text
+
+        assert 'adapter="secret"' in metrics(acme) and 'adapter="secret"' in metrics(ADMIN)
+        assert 'adapter="secret"' not in metrics(globex) and "loraplex_requests_total" in metrics(globex)
         assert admin("POST", base, "/tenants", json={"name": "acme"}).status_code == 409
         taken = admin(
             "POST",
