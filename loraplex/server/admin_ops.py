@@ -107,6 +107,8 @@ class AdminOps:
                 raise conflict(f"adapter name {name!r} belongs to another tenant")
             if name in self.db.aliases():
                 raise conflict(f"{name!r} is an alias; an adapter cannot take its name")
+            if name == self.control.served_model:
+                raise conflict(f"{name!r} is the base model's name")
         try:
             reg = self.control.plane.register(
                 name,
@@ -168,6 +170,8 @@ class AdminOps:
                 raise APIError(400, f"target must be name@revision, got {target!r}", param="target")
             if any(r.name == alias for r in self.db.list_adapters(include_retired=True)):
                 raise conflict(f"{alias!r} is an adapter's name; an alias cannot take it")
+            if alias == self.control.served_model:
+                raise conflict(f"{alias!r} is the base model's name")
             rec = self._resolve(target)
             if rec.state != "active":
                 raise conflict(f"{rec.name}@{rec.revision[:12]} is {rec.state}; an alias needs an active one")

@@ -69,6 +69,7 @@ class ControlService:
         self.policy = policy
         self.plane = self._plane(policy)
         self.async_engine: AsyncEngine | None = None  # set once the engine thread runs
+        self.served_model = ""  # the base model's name in the API: no adapter or alias may take it
         self.keys = KeyTable()
         self.quotas: dict[str, TenantQuotas] = {
             name: TenantQuotas.from_mapping(q) for name, q in self.db.tenants().items()

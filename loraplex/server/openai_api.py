@@ -14,6 +14,7 @@ import asyncio
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -201,9 +202,11 @@ async def _respond(
             request_id, prepared.model, runs, streams, prepared.chat, prepared.include_usage
         )
         request.state.streaming = True
-        return StreamingResponse(
-            _sse(chunks, async_engine, request_id, runs, leave), media_type="text/event-stream"
-        )
+        body = _sse(chunks, async_engine, request_id, runs, leave)
+        # A stream whose client left before its first chunk is never iterated, so its `finally`
+        # never runs: the tenant's slot is also given back when the generator is collected.
+        weakref.finalize(body, leave)
+        return StreamingResponse(body, media_type="text/event-stream")
     finals = await collect(async_engine, request, request_id, runs, streams)
     if finals is None:
         return Response(status_code=499)  # client went away; its requests are aborted

@@ -86,6 +86,7 @@ def build_server(settings: ServerSettings, engine_config: EngineConfig, progress
         roots=tuple(Path(r) for r in settings.source_roots), hosts=tuple(settings.source_hosts)
     )
     control = ControlService(settings.data_dir, engine, policy)
+    control.served_model = served
     try:
         control.register_startup(settings.adapters, progress)
         control.load_registered()

@@ -55,6 +55,7 @@ def test_register_is_idempotent_and_refusals_change_nothing(
             ({"name": "../x", "source": str(root / "upper")}, "invalid adapter name"),
             ({"name": "x", "source": str(root / "upper"), "sha256": "0" * 64}, "checksum mismatch"),
             ({"name": "x", "source": str(root / "upper"), "tenant": "nobody"}, "unknown tenant"),
+            ({"name": BASE, "source": str(root / "upper")}, "the base model's name"),
             ({"name": "x", "source": 5}, "source"),
             ({"name": "x"}, "source"),
         ]:

@@ -48,6 +48,8 @@ def test_alias_repoint_while_a_request_streams(monkeypatch: pytest.MonkeyPatch, 
         assert listing["aliases"] == {"tasks/latest": f"upper@{rev['upper']}"}
         for bad, status in [("reverse", 400), ("nope@abcdef", 404)]:
             assert admin("PUT", base, "/aliases/x", json={"target": bad}).status_code == status
+        target = {"target": f"reverse@{rev['reverse']}"}
+        assert admin("PUT", base, "/aliases/loraplex-demo", json=target).status_code == 409
         assert (
             admin("PUT", base, "/aliases/upper", json={"target": f"reverse@{rev['reverse']}"}).status_code
             == 409
