@@ -4,6 +4,7 @@ admin API tests."""
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,3 +63,31 @@ def complete(base: str, key: str, model: str, prompt: str = "abc=", **extra: Any
 def text(response: httpx.Response) -> str:
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
+
+
+@contextmanager
+def demo_traffic(base: str, threads: int = 2) -> Iterator[list[str]]:
+    """Generation requests on the demo's adapters and base model, nonstop while the block runs;
+    yields the list of wrong answers (checked after the block: it should stay empty)."""
+    expected = {"reverse": "cba", "upper": "ABC", BASE: None}
+    wrong: list[str] = []
+    stop = threading.Event()
+    done = [0]
+
+    def run() -> None:
+        while not stop.is_set() or done[0] < 3:  # at least a few answers, however fast the block
+            for model, want in expected.items():
+                got = complete(base, ADMIN, model)
+                if got.status_code != 200 or (want is not None and text(got) != want):
+                    wrong.append(f"{model}: {got.text}")
+                done[0] += 1
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    try:
+        yield wrong
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()

@@ -3,12 +3,21 @@ refusals that change nothing), tenants' isolation and quotas, the audit log, the
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers.admin_server import ADMIN, BASE, admin, admin_server, auth, complete, create_key, text
+from helpers.admin_server import (
+    ADMIN,
+    BASE,
+    admin,
+    admin_server,
+    auth,
+    complete,
+    create_key,
+    demo_traffic,
+    text,
+)
 
 from loraplex.adapters.registry_db import RegistryDB, adapters
 
@@ -189,27 +198,9 @@ def test_generation_is_correct_while_adapters_register(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     with admin_server(monkeypatch, tmp_path) as (base, _, root):
-        expected = {"reverse": "cba", "upper": "ABC", BASE: None}
-        wrong: list[str] = []
-        stop = threading.Event()
-
-        def traffic() -> None:
-            while not stop.is_set():
-                for model, want in expected.items():
-                    got = complete(base, ADMIN, model)
-                    if got.status_code != 200 or (want is not None and text(got) != want):
-                        wrong.append(f"{model}: {got.text}")
-
-        threads = [threading.Thread(target=traffic) for _ in range(2)]
-        for t in threads:
-            t.start()
-        try:
+        with demo_traffic(base) as wrong:
             for i, source in enumerate(["reverse", "upper", "sort", "caesar"] * 2):
                 out = admin("POST", base, "/adapters", json={"name": f"n{i}", "source": str(root / source)})
                 assert out.status_code == 201, out.text
-        finally:
-            stop.set()
-            for t in threads:
-                t.join()
         assert not wrong, wrong[:3]
         assert text(complete(base, ADMIN, "n2", "cab=")) == text(complete(base, ADMIN, "sort", "cab="))
