@@ -179,7 +179,8 @@ class ControlService:
     def _drained(self, ref: AdapterRef) -> None:
         """Engine thread: the last request on a retired revision ended (its slot is freed unless
         another name serves the same content). Record it off this thread."""
-        self.writer.submit(self._mark_retired, ref)
+        with contextlib.suppress(RuntimeError):  # the server is closing: the next startup retires it
+            self.writer.submit(self._mark_retired, ref)
 
     def _mark_retired(self, ref: AdapterRef) -> None:
         # RegistryError: retired already (a restart's startup did it): nothing to record.
