@@ -111,8 +111,13 @@ class AdapterRegistry:
             raise ValueError(f"alias {alias!r} is an adapter's name")
         self._aliases[alias] = entry.ref
 
-    def aliases(self) -> dict[str, AdapterRef]:
-        return dict(self._aliases)
+    def aliases(self, tenant: str | None = None) -> dict[str, AdapterRef]:
+        """alias -> its live target, among the revisions `tenant` may use."""
+        return {
+            alias: ref
+            for alias, ref in self._aliases.items()
+            if ref not in self._retired and self._revisions[ref.name][ref.revision].usable_by(tenant)
+        }
 
     def retire(self, ref: AdapterRef) -> bool:
         """Take `ref` out of service: no new request may resolve to it. True when no request holds

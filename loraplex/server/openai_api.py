@@ -123,8 +123,11 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         tenant = _tenant(request)
-        latest = await _on_engine(async_engine, lambda e: e.adapters.list_latest(tenant))
+        latest, aliases = await _on_engine(
+            async_engine, lambda e: (e.adapters.list_latest(tenant), e.adapters.aliases(tenant))
+        )
         entries = [base_entry()] + [adapter_entry(r.ref.name, r.ref.revision) for r in latest]
+        entries += [adapter_entry(alias, ref.revision) for alias, ref in aliases.items()]
         return JSONResponse({"object": "list", "data": entries})
 
     @app.get("/v1/models/{model_id:path}")

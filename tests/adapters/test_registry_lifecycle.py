@@ -52,6 +52,7 @@ def test_a_tenant_sees_its_own_and_shared_revisions_only() -> None:
     reg.set_alias("mine/latest", AdapterRef("mine", REV_A))
     assert [e.ref.name for e in reg.list_latest("acme")] == ["mine", "ours"]
     assert [e.ref.name for e in reg.list_latest("globex")] == ["ours"]
+    assert list(reg.aliases("acme")) == ["mine/latest"] and reg.aliases("globex") == {}
     for spec in ("mine", f"mine@{REV_A[:8]}", "mine/latest"):
         assert reg.resolve(spec, "acme").ref.name == "mine"
         with pytest.raises(UnknownAdapterError) as hidden:

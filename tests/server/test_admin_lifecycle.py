@@ -42,6 +42,10 @@ def test_alias_repoint_while_a_request_streams(monkeypatch: pytest.MonkeyPatch, 
         out = admin("PUT", base, "/aliases/tasks/latest", json={"target": f"upper@{rev['upper']}"})
         assert out.json()["previous"] == f"reverse@{rev['reverse']}"
         assert text(complete(base, ADMIN, "tasks/latest")) == "ABC"  # new requests: the new target
+        models = httpx.get(f"{base}/v1/models", headers=auth(ADMIN)).json()["data"]
+        assert {"id": "tasks/latest", "revision": rev["upper"]}.items() <= next(
+            m for m in models if m["id"] == "tasks/latest"
+        ).items()
         pieces.extend(stream)
         assert "".join(pieces) == _full(base, "reverse")  # the running one kept its revision
         listing = admin("GET", base, "/adapters/upper").json()
