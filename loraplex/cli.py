@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from loraplex.cli_admin import register as register_admin
 from loraplex.config_cli import add_engine_args, engine_config_from_args, engine_defaults_from_mapping
 from loraplex.server.limits_cli import add_limit_args, limits_from_args
 
@@ -88,15 +89,32 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="threads that parse, validate and tokenize requests (default: 4)",
     )
+    serve.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="registry, adapter store and writer lock (default: LORAPLEX_DATA_DIR, else "
+        "~/.local/share/loraplex)",
+    )
+    serve.add_argument(
+        "--allow-source-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a local directory the admin API may register adapters from (repeatable)",
+    )
+    serve.add_argument(
+        "--allow-source-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="an http(s) host (host:port off 80/443) the admin API may fetch adapters from (repeatable)",
+    )
     add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(subparser=serve)  # a config file's engine settings become this parser's defaults
 
-    adapters = sub.add_parser("adapters", help="adapter operations")
-    adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
-    listing = adapters_sub.add_parser("list", help="list the models and adapters a running server serves")
-    listing.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
-    listing.add_argument("--api-key", default=None)
+    register_admin(sub)  # adapters, tenants, keys
 
     tiny = sub.add_parser("build-tiny-model", help="write a tiny random Llama + character tokenizer")
     tiny.add_argument("path", type=Path, nargs="?", default=DEFAULT_TINY_DIR)
@@ -164,6 +182,7 @@ def _ensure_tiny_model() -> Path:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from loraplex.adapters.data_dir import default_data_dir
     from loraplex.server.serve import ServerSettings, build_server, load_settings_file, run_server
 
     settings = load_settings_file(args.config) if args.config else ServerSettings()
@@ -186,6 +205,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     settings.api_keys = [*settings.api_keys, *args.api_key]
     settings.limits = limits_from_args(settings.limits, args)
     settings.prepare_workers = args.prepare_workers or settings.prepare_workers
+    settings.data_dir = args.data_dir or settings.data_dir or str(default_data_dir())
+    settings.source_roots = [*settings.source_roots, *args.allow_source_root]
+    settings.source_hosts = [*settings.source_hosts, *args.allow_source_host]
     print(f"loading {settings.model} ...", file=sys.stderr)
     server = build_server(settings, engine_config_from_args(settings.model, args))
     run_server(server, settings.host, settings.port)
@@ -211,24 +233,6 @@ def merge_serve_adapters(
     return merged
 
 
-def _list_adapters(args: argparse.Namespace) -> int:
-    import urllib.request
-
-    req = urllib.request.Request(args.url.rstrip("/") + "/v1/models")
-    if args.api_key:
-        req.add_header("Authorization", f"Bearer {args.api_key}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            models = json.load(resp)["data"]
-    except OSError as err:
-        print(f"error: cannot reach a loraplex server at {args.url}: {err}", file=sys.stderr)
-        return 1
-    for m in models:
-        kind = "base" if m.get("parent") is None else f"adapter of {m['parent']}, revision {m['revision']}"
-        print(f"{m['id']}\t{kind}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -238,8 +242,6 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args, parser)
-        if args.command == "adapters":
-            return _list_adapters(args)
         if args.command == "build-tiny-model":
             from loraplex.demo.tiny_model import build_tiny_model
 

@@ -15,11 +15,12 @@ import datetime as dt
 import hashlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.adapters.peft_import import import_peft_adapter
+from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
 from loraplex.adapters.registry import check_adapter_name
 from loraplex.adapters.registry_db import DEFAULT_TENANT, RegistryDB, RegistryError
 from loraplex.adapters.revision import adapter_revision
@@ -29,7 +30,12 @@ from loraplex.config import ModelConfig
 
 
 class RegistrationError(ValueError):
-    """A registration the control plane refused; the message names the step and the reason."""
+    """A registration the control plane refused; the message names the step and the reason.
+    `status`: the HTTP status the server answers with (400 bad input; a quota's 403 or 413)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,10 @@ class ControlPlane:
         sha256: str | None = None,
         tenant: str = DEFAULT_TENANT,
         visibility: str = "private",
+        check: Callable[[ImportedAdapter, str], None] | None = None,
     ) -> Registration:
+        """`check(imported, revision)`: called before anything is stored (the server's per-tenant
+        quotas); a ValueError from it refuses the registration like any other step."""
         staging = Path(tempfile.mkdtemp(prefix="fetch-", dir=self.staging_root))
         stored_now = False
         revision = ""
@@ -82,6 +91,8 @@ class ControlPlane:
                     )
                 imported = import_peft_adapter(staging, self.model_config, self.max_rank)
                 revision = adapter_revision(imported)
+                if check is not None:
+                    check(imported, revision)
                 stored_now = revision not in self.store
                 self.store.put(revision, imported)
                 provenance = {
@@ -98,7 +109,7 @@ class ControlPlane:
             except ValueError as err:  # fetch, checksum, import and store refusals
                 reason = str(err).replace(str(staging), source)  # name what the caller sent
                 self.db.record_refusal(principal, "register", f"{name} from {source}", reason)
-                raise RegistrationError(reason) from None
+                raise RegistrationError(reason, getattr(err, "status", 400)) from None
         except BaseException:
             if stored_now:  # nobody else refers to a file this attempt added
                 self.store.remove(revision)

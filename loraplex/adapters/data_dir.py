@@ -14,6 +14,16 @@ from pathlib import Path
 from types import TracebackType
 
 
+def default_data_dir() -> Path:
+    """`LORAPLEX_DATA_DIR`, else the per-user data directory (`$XDG_DATA_HOME/loraplex`, by default
+    `~/.local/share/loraplex`)."""
+    explicit = os.environ.get("LORAPLEX_DATA_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "loraplex"
+
+
 class DataDirLockedError(RuntimeError):
     """Another process writes this data directory."""
 
@@ -34,7 +44,7 @@ class DataDirLock:
             os.close(fd)
             raise DataDirLockedError(
                 f"{self.data_dir} is in use by process {holder} (a running server?): "
-                "talk to that server, or stop it first"
+                "talk to that server (--url), or stop it first"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)

@@ -314,6 +314,11 @@ class RegistryDB:
         if why is not None:
             self._refuse(principal, "alias", target, why, f"alias {alias!r}: {why}")
 
+    def aliases(self) -> dict[str, tuple[str, str]]:
+        """alias -> (name, revision)."""
+        with self.engine.connect() as conn:
+            return {row.alias: (row.name, row.revision) for row in conn.execute(select(aliases))}
+
     # --- tenants and keys -------------------------------------------------------------------------
 
     def create_tenant(self, name: str, quotas: dict[str, int], principal: str) -> None:
@@ -324,6 +329,13 @@ class RegistryDB:
                 self._audit(conn, principal, "tenant", name, "ok", None)
         if exists:
             self._refuse(principal, "tenant", name, "exists", f"tenant {name!r} exists")
+
+    def tenants(self) -> dict[str, dict[str, int]]:
+        """tenant -> its quotas."""
+        with self.engine.connect() as conn:
+            return {
+                row.name: dict(row.quotas) for row in conn.execute(select(tenants).order_by(tenants.c.name))
+            }
 
     def quotas(self, tenant: str) -> dict[str, int]:
         with self.engine.connect() as conn:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import gc
 import itertools
 import operator
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
-from loraplex.adapters.registry import AdapterRegistry, check_adapter_name
+from loraplex.adapters.registry import DEFAULT_TENANT, AdapterRegistry, check_adapter_name
 from loraplex.adapters.residency import AdapterResidency, StepSlots
 from loraplex.adapters.revision import adapter_revision
 from loraplex.config import EngineConfig, ModelConfig
@@ -102,6 +103,9 @@ class Engine:
         # Live requests with max_tokens=0: while there are none, a step does no per-row check for them.
         self._num_scoring = 0
         self.last_stats: StepStats | None = None
+        # Called on this thread when the last request on a retired revision ends (the server
+        # records the retirement; it must not block).
+        self.on_adapter_drained: Callable[[AdapterRef], None] | None = None
         # The model and tables are built: collect once and move everything alive now out of the
         # collector's reach, so no full collection over them lands inside a step later.
         gc.collect()
@@ -117,12 +121,39 @@ class Engine:
             name, import_peft_adapter(path, self.model_config, self.config.lora.max_rank)
         )
 
-    def register_imported(self, name: str, imported: ImportedAdapter) -> AdapterRef:
-        """Register already imported (normalized, verified) weights: load them, then name them."""
+    def register_imported(
+        self,
+        name: str,
+        imported: ImportedAdapter,
+        revision: str | None = None,
+        tenant: str = DEFAULT_TENANT,
+        visibility: str = "shared",
+    ) -> AdapterRef:
+        """Register already imported (normalized, verified) weights: load them, then name them.
+        `revision`: the content's revision when the caller computed it already (the control plane
+        does, off this thread: hashing a large adapter here would hold up every step)."""
         check_adapter_name(name)
-        revision = adapter_revision(imported)
+        revision = revision or adapter_revision(imported)
+        if self.adapters.is_retired(AdapterRef(name, revision)):  # before loading: nothing changes
+            raise ValueError(f"{name}@{revision[:12]} is retired; a retired revision stays retired")
         facts = self.residency.load(revision, imported.weights)
-        return self.adapters.add(name, revision, facts.max_rank, facts.nbytes, imported.manifest)
+        return self.adapters.add(
+            name, revision, facts.max_rank, facts.nbytes, imported.manifest, tenant, visibility
+        )
+
+    def retire_adapter(self, ref: AdapterRef) -> None:
+        """Take a revision out of service: new requests are refused, running ones finish on it, and
+        when the last one ends (now, if none runs) its slot is freed."""
+        if self.adapters.retire(ref):
+            self._drained(ref)
+
+    def _drained(self, ref: AdapterRef) -> None:
+        """No request holds the retired `ref` any more: free its slot unless another name still
+        serves the same content, and tell the server (which records the retirement)."""
+        if not self.adapters.in_service(ref.revision):
+            self.residency.evict(ref.revision)
+        if self.on_adapter_drained is not None:
+            self.on_adapter_drained(ref)
 
     def add_request(
         self,
@@ -306,7 +337,9 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.adapters.release(seq.adapter)
+        if self.adapters.release(seq.adapter):  # the last request on a retired revision
+            assert seq.adapter is not None
+            self._drained(seq.adapter)
         if not seq.params.max_tokens:
             self._num_scoring -= 1
 

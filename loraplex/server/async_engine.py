@@ -39,6 +39,7 @@ class _AddMany:
     requests: list[tuple[str, str | list[int], SamplingParams]]
     adapter: str | AdapterRef | None
     streams: list[_Stream]
+    tenant: str | None = None  # resolve `adapter` among what this tenant may use (None: anything)
     done: Future[None] = field(default_factory=Future)
 
 
@@ -79,13 +80,15 @@ class AsyncEngine:
         self,
         requests: list[tuple[str, str | list[int], SamplingParams]],
         adapter: str | AdapterRef | None,
+        tenant: str | None = None,
     ) -> list[asyncio.Queue[RequestOutput]]:
         """Admit requests together in one engine command: every one on the same adapter revision,
-        and none of them if one is refused (the engine's ValueError is raised here)."""
+        and none of them if one is refused (the engine's ValueError is raised here). The adapter
+        (an alias, a name or name@revision) is resolved there, among what `tenant` may use."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         streams = [_Stream(loop, asyncio.Queue(), now) for _ in requests]
-        cmd = _AddMany(requests, adapter, streams)
+        cmd = _AddMany(requests, adapter, streams, tenant)
         self._commands.put(cmd)
         await asyncio.wrap_future(cmd.done)
         return [s.outputs for s in streams]
@@ -154,6 +157,8 @@ class AsyncEngine:
         added: list[str] = []
         pinned = cmd.adapter
         try:
+            if isinstance(pinned, str):  # once, at admission: a repointed alias changes no running request
+                pinned = engine.adapters.resolve(pinned, cmd.tenant).ref
             for request_id, prompt, params in cmd.requests:
                 engine.add_request(request_id, prompt, params, pinned)
                 added.append(request_id)

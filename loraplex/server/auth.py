@@ -19,7 +19,7 @@ DEFAULT_TENANT = "default"
 class Principal:
     role: str  # data | admin
     tenant: str
-    label: str
+    label: str  # who, in the audit log: a key's label and the start of its hash
 
 
 ANONYMOUS = Principal("data", DEFAULT_TENANT, "anonymous")
@@ -32,6 +32,9 @@ def token_hash(token: str) -> str:
 class KeyTable:
     def __init__(self, hashed: dict[str, Principal] | None = None) -> None:
         self._by_hash: dict[str, Principal] = dict(hashed or {})
+        # Open (no keys) only until a first key exists: revoking every key must lock the server,
+        # not open it to anyone.
+        self._keyed = bool(self._by_hash)
 
     @classmethod
     def from_tokens(cls, tokens: Iterable[str], role: str = "data", tenant: str = DEFAULT_TENANT) -> KeyTable:
@@ -40,12 +43,21 @@ class KeyTable:
             {token_hash(t): Principal(role, tenant, f"configured key {i}") for i, t in enumerate(tokens)}
         )
 
+    def add(self, key_hash: str, principal: Principal) -> None:
+        # One dictionary assignment: the event loop's lookups see the key or not, never half of it.
+        self._by_hash[key_hash] = principal
+        self._keyed = True
+
+    def remove(self, key_hash: str) -> None:
+        self._by_hash.pop(key_hash, None)
+
     def __bool__(self) -> bool:
-        return bool(self._by_hash)
+        """Whether keys are required (some key exists, or existed)."""
+        return self._keyed
 
     def authenticate(self, authorization: str) -> Principal | None:
         """The principal of an `Authorization: Bearer <token>` header; None if it names none."""
-        if not self._by_hash:
+        if not self._keyed:
             return ANONYMOUS
         scheme, _, credentials = authorization.partition(" ")
         if scheme.lower() != "bearer":

@@ -24,12 +24,16 @@ class ChoiceRun:
 
 
 async def run_choices(
-    async_engine: AsyncEngine, request_id: str, runs: list[ChoiceRun], adapter: str | None
+    async_engine: AsyncEngine,
+    request_id: str,
+    runs: list[ChoiceRun],
+    adapter: str | None,
+    tenant: str | None = None,
 ) -> list[asyncio.Queue[RequestOutput]]:
     """Admit every choice in one engine command: all or none, and all on one adapter revision, so
     a registration in between cannot split one response across two revisions."""
     return await async_engine.add_many(
-        [(run.request_id(request_id), run.prompt, run.params) for run in runs], adapter
+        [(run.request_id(request_id), run.prompt, run.params) for run in runs], adapter, tenant
     )
 
 

@@ -2,7 +2,9 @@
 body is read or parsed):
 
 1. API keys: with keys configured, every route but `/health` needs one, and a request without a
-   valid key gets its 401 before a byte of its body is read.
+   valid key gets its 401 before a byte of its body is read. The admin API (`/admin/`) needs an
+   admin key: any other caller (a data key, or anyone when no keys are configured) gets a 403,
+   again before its body is read.
 2. Pending requests: generation requests between their head and their answer's end are bounded;
    one more is a 429 with Retry-After, again before its body is read.
 3. Body size: a declared Content-Length over the limit is a 413 at once; a chunked body is
@@ -30,6 +32,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers' probes carry no key
+ADMIN_PREFIX = "/admin/"
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
@@ -62,6 +65,21 @@ class Guard:
                 send,
                 APIError(
                     401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key"
+                ),
+            )
+            return
+        if path.startswith(ADMIN_PREFIX) and principal.role != "admin":
+            await self._refuse(
+                scope,
+                receive,
+                send,
+                APIError(
+                    403,
+                    "the admin API needs an admin key; this key is a data-plane key"
+                    if self.keys
+                    else "the admin API needs an admin key, and this server has none configured",
+                    type_="permission_error",
+                    code="admin_key_required",
                 ),
             )
             return

@@ -5,6 +5,8 @@ Each server owns its own registry, so several servers in one process (tests) nev
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -22,6 +24,9 @@ disable_created_metrics()  # the *_created series only add noise to every counte
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ADAPTER_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32, 64, 128)
+
+
+_ADAPTER_LABEL = re.compile(rb'[{,]adapter="([^"]*)"')
 
 
 def _labels(adapter: AdapterRef | None) -> tuple[str, str]:
@@ -125,5 +130,16 @@ class ServerMetrics(StepObserver):
             self.graph_replays.inc()
         self.graph_captures.set(engine.graph_captures)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, adapters: set[str] | None = None) -> bytes:
+        """The text exposition; with `adapters`, only the per-adapter series of those names (and
+        the base model's): a tenant's view, which names no other tenant's private adapter."""
+        text = generate_latest(self.registry)
+        if adapters is None:
+            return text
+        allowed = {b"base", *(a.encode() for a in adapters)}
+        kept = [
+            line
+            for line in text.split(b"\n")
+            if (m := _ADAPTER_LABEL.search(line)) is None or m.group(1) in allowed
+        ]
+        return b"\n".join(kept)

@@ -14,35 +14,43 @@ import asyncio
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraplex.adapters.registry import UnknownAdapterError
+from loraplex.adapters.registry import RetiredAdapterError, UnknownAdapterError
+from loraplex.server.admin_api import add_admin_routes
 from loraplex.server.async_engine import AsyncEngine
-from loraplex.server.auth import KeyTable
+from loraplex.server.auth import KeyTable, Principal
 from loraplex.server.choices import ChoiceRun, collect, run_choices
+from loraplex.server.control import ControlService
 from loraplex.server.guard import Guard
-from loraplex.server.limits import ServerLimits
+from loraplex.server.limits import ServerLimits, TenantQuotas
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.openapi import describe_routes
 from loraplex.server.prepare import PreparedRequest, RequestPreparer
 from loraplex.server.protocol import APIError
 from loraplex.server.render import Renderer
+from loraplex.server.tenant_gate import TenantGate
 
 
 def create_app(
     async_engine: AsyncEngine,
     served_model: str,
     metrics: ServerMetrics,
-    api_keys: frozenset[str] = frozenset(),
+    keys: KeyTable | None = None,
     limits: ServerLimits | None = None,
     prepare_workers: int = 4,
+    control: ControlService | None = None,
 ) -> FastAPI:
+    """`keys`: None or empty, the data plane is open; `control`: the admin API and the tenants'
+    quotas (None: neither, as for an app over an engine with no data directory)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None)
     engine = async_engine.engine
@@ -64,6 +72,15 @@ def create_app(
         body = APIError(err.status_code, str(err.detail)).body()
         return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        # Query and path parameters (the admin API's offset, limit): a 400 naming the first, as
+        # bodies get (there is no 422 on this server).
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        body = APIError(400, f"invalid request: {where}: {first.get('msg')}").body()
+        return JSONResponse(body, status_code=400)
+
     async def prepared(request: Request, prepare: Callable[[bytes], PreparedRequest]) -> PreparedRequest:
         body = await request.body()
         return await asyncio.get_running_loop().run_in_executor(pool, prepare, body)
@@ -76,8 +93,17 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics_endpoint(request: Request) -> Response:
+        # Per-adapter series name adapters: an admin key sees them all; any other caller only the
+        # names its tenant may use (another tenant's private adapter stays unnamed).
+        principal: Principal = request.state.principal
+        names = None
+        if principal.role != "admin":
+            names = await _on_engine(
+                async_engine,
+                lambda e: {r.ref.name for r in e.adapters.list() if r.usable_by(principal.tenant)},
+            )
+        return Response(metrics.render(names), media_type="text/plain; version=0.0.4")
 
     def base_entry() -> dict[str, Any]:
         return {
@@ -92,38 +118,62 @@ def create_app(
     def adapter_entry(model_id: str, revision: str) -> dict[str, Any]:
         return {**base_entry(), "id": model_id, "parent": served_model, "revision": revision}
 
+    gate = TenantGate(control.quotas_of if control is not None else lambda _tenant: TenantQuotas())
+
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        latest = await _on_engine(async_engine, lambda e: e.adapters.list_latest())
+    async def models(request: Request) -> JSONResponse:
+        tenant = _tenant(request)
+        latest, aliases = await _on_engine(
+            async_engine, lambda e: (e.adapters.list_latest(tenant), e.adapters.aliases(tenant))
+        )
         entries = [base_entry()] + [adapter_entry(r.ref.name, r.ref.revision) for r in latest]
+        entries += [adapter_entry(alias, ref.revision) for alias, ref in aliases.items()]
         return JSONResponse({"object": "list", "data": entries})
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> JSONResponse:
+    async def model(request: Request, model_id: str) -> JSONResponse:
         if model_id == served_model:
             return JSONResponse(base_entry())
+        tenant = _tenant(request)
         try:
-            entry = await _on_engine(async_engine, lambda e: e.adapters.resolve(model_id))
+            entry = await _on_engine(async_engine, lambda e: e.adapters.resolve(model_id, tenant))
         except UnknownAdapterError as err:
             raise _not_found(model_id, err) from None
         return JSONResponse(adapter_entry(model_id, entry.ref.revision))
 
+    async def generate(request: Request, prepare: Callable[[bytes], PreparedRequest]) -> Response:
+        tenant = _tenant(request)
+        leave = gate.enter(tenant)  # the tenant's concurrent-requests quota: 429 at its limit
+        request.state.streaming = False
+        try:
+            return await _respond(async_engine, renderer, request, await prepared(request, prepare), leave)
+        finally:
+            if not request.state.streaming:
+                leave()  # a stream leaves when its last chunk is sent (`_sse`)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _respond(async_engine, renderer, request, await prepared(request, preparer.completion))
+        return await generate(request, preparer.completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _respond(async_engine, renderer, request, await prepared(request, preparer.chat))
+        return await generate(request, preparer.chat)
 
+    if control is not None:
+        add_admin_routes(app, control, limits.max_json_depth)
     describe_routes(app)
     app.add_middleware(
         Guard,
-        keys=KeyTable.from_tokens(sorted(api_keys)),
+        keys=keys if keys is not None else KeyTable(),
         limits=limits,
         on_refused=lambda status: metrics.refused.labels(str(status)).inc(),
     )
     return app
+
+
+def _tenant(request: Request) -> str:
+    principal: Principal = request.state.principal  # the door put it there
+    return principal.tenant
 
 
 async def _on_engine(async_engine: AsyncEngine, fn: Callable[[Any], Any]) -> Any:
@@ -131,16 +181,21 @@ async def _on_engine(async_engine: AsyncEngine, fn: Callable[[Any], Any]) -> Any
 
 
 def _not_found(model: str, err: Exception) -> APIError:
-    return APIError(404, f"model {model!r} not found: {err}", param="model", code="model_not_found")
+    code = "model_retired" if isinstance(err, RetiredAdapterError) else "model_not_found"
+    return APIError(404, f"model {model!r} not found: {err}", param="model", code=code)
 
 
 async def _respond(
-    async_engine: AsyncEngine, renderer: Renderer, request: Request, prepared: PreparedRequest
+    async_engine: AsyncEngine,
+    renderer: Renderer,
+    request: Request,
+    prepared: PreparedRequest,
+    leave: Callable[[], None],
 ) -> Response:
     request_id = ("chatcmpl-" if prepared.chat else "cmpl-") + uuid.uuid4().hex
     runs = prepared.runs
     try:
-        streams = await run_choices(async_engine, request_id, runs, prepared.adapter)
+        streams = await run_choices(async_engine, request_id, runs, prepared.adapter, _tenant(request))
     except UnknownAdapterError as err:
         raise _not_found(prepared.model, err) from None
     except ValueError as err:
@@ -149,7 +204,12 @@ async def _respond(
         chunks = renderer.stream(
             request_id, prepared.model, runs, streams, prepared.chat, prepared.include_usage
         )
-        return StreamingResponse(_sse(chunks, async_engine, request_id, runs), media_type="text/event-stream")
+        request.state.streaming = True
+        body = _sse(chunks, async_engine, request_id, runs, leave)
+        # A stream whose client left before its first chunk is never iterated, so its `finally`
+        # never runs: the tenant's slot is also given back when the generator is collected.
+        weakref.finalize(body, leave)
+        return StreamingResponse(body, media_type="text/event-stream")
     finals = await collect(async_engine, request, request_id, runs, streams)
     if finals is None:
         return Response(status_code=499)  # client went away; its requests are aborted
@@ -157,13 +217,18 @@ async def _respond(
 
 
 async def _sse(
-    chunks: AsyncIterator[dict[str, Any]], async_engine: AsyncEngine, request_id: str, runs: list[ChoiceRun]
+    chunks: AsyncIterator[dict[str, Any]],
+    async_engine: AsyncEngine,
+    request_id: str,
+    runs: list[ChoiceRun],
+    leave: Callable[[], None],
 ) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk, allow_nan=False)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
+        leave()
         # Runs on normal completion too; aborting a finished request is a no-op.
         for run in runs:
             async_engine.abort(run.request_id(request_id))

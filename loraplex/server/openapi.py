@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from loraplex.server.admin_api import CreateKey, CreateTenant, RegisterAdapter, SetAlias
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 _REF = "#/components/schemas/{model}"
@@ -19,7 +20,9 @@ _ERRORS = {
     400: "Invalid request: malformed JSON, a wrong type, a non-finite number, a value out of range, "
     "a prompt that cannot fit the context, an unsupported parameter",
     401: "No valid API key (when keys are configured)",
-    404: "Unknown model, adapter or revision",
+    403: "Not allowed for this key: the admin API needs an admin key; a tenant's quota (rank, count)",
+    404: "Unknown (or retired) model, adapter, revision, alias, tenant or key",
+    409: "Conflicts with what exists: a name of another tenant's, an alias, a tenant, a retired revision",
     413: "Request body or prompt over the server's limit",
     429: "Too many pending requests; retry after the Retry-After header's seconds",
 }
@@ -32,6 +35,17 @@ _ROUTES: dict[str, dict[str, tuple[type[BaseModel] | None, tuple[int, ...]]]] = 
     "/v1/models/{model_id}": {"get": (None, (401, 404))},
     "/metrics": {"get": (None, (401,))},
     "/health": {"get": (None, ())},
+    "/admin/v1/adapters": {
+        "post": (RegisterAdapter, (400, 401, 403, 404, 409, 413)),
+        "get": (None, (401, 403)),
+    },
+    "/admin/v1/adapters/{name}": {"get": (None, (401, 403, 404))},
+    "/admin/v1/adapters/{name}@{revision}": {"delete": (None, (401, 403, 404, 409))},
+    "/admin/v1/aliases/{alias}": {"put": (SetAlias, (400, 401, 403, 404, 409))},
+    "/admin/v1/tenants": {"post": (CreateTenant, (400, 401, 403, 409)), "get": (None, (401, 403))},
+    "/admin/v1/keys": {"post": (CreateKey, (400, 401, 403, 404)), "get": (None, (401, 403))},
+    "/admin/v1/keys/{key_id}": {"delete": (None, (401, 403, 404))},
+    "/admin/v1/audit": {"get": (None, (400, 401, 403))},
 }
 
 
@@ -47,7 +61,15 @@ def describe_routes(app: FastAPI) -> None:
 def _build(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in (CompletionRequest, ChatCompletionRequest, ErrorResponse):
+    for model in (
+        CompletionRequest,
+        ChatCompletionRequest,
+        ErrorResponse,
+        RegisterAdapter,
+        SetAlias,
+        CreateTenant,
+        CreateKey,
+    ):
         _add_schema(components, model)
     for path, methods in schema.get("paths", {}).items():
         for method, op in methods.items():

@@ -120,17 +120,7 @@ class RequestPreparer:
     # --- pieces -----------------------------------------------------------------------------------
 
     def _parse(self, body: bytes, model: type[_M]) -> _M:
-        value = parse_json_body(body, self.limits.max_json_depth)
-        if not isinstance(value, dict):
-            raise APIError(400, f"the request body must be a JSON object, got {type(value).__name__}")
-        try:
-            return model.model_validate(value)
-        except ValidationError as err:
-            first = err.errors(include_url=False)[0]
-            loc = [str(p) for p in first.get("loc", ())]
-            where = ".".join(loc)
-            param = loc[0] if loc else None
-            raise APIError(400, f"invalid request: {where}: {first.get('msg')}", param=param) from None
+        return parse_model(body, model, self.limits.max_json_depth)
 
     def _check_counts(
         self, req: CompletionRequest | ChatCompletionRequest, prompts: int, logprobs: int | None, name: str
@@ -258,6 +248,21 @@ class RequestPreparer:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         adapter = None if req.model == self.served_model else req.model
         return PreparedRequest(req.model, adapter, runs, req.stream, include_usage, chat)
+
+
+def parse_model(body: bytes, model: type[_M], max_json_depth: int) -> _M:
+    """A JSON object body validated as `model`; a 400 naming the first problem otherwise."""
+    value = parse_json_body(body, max_json_depth)
+    if not isinstance(value, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(value).__name__}")
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        loc = [str(p) for p in first.get("loc", ())]
+        where = ".".join(loc)
+        param = loc[0] if loc else None
+        raise APIError(400, f"invalid request: {where}: {first.get('msg')}", param=param) from None
 
 
 def longest_token_chars(tokenizer: Any) -> int:

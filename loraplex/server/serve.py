@@ -8,13 +8,16 @@ import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.config import EngineConfig
 from loraplex.engine.engine import Engine
 from loraplex.server.async_engine import AsyncEngine
 from loraplex.server.limits import ServerLimits
 from loraplex.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from loraplex.server.control import ControlService
 
 
 @dataclass
@@ -27,6 +30,11 @@ class ServerSettings:
     api_keys: list[str] = field(default_factory=list)
     limits: ServerLimits = field(default_factory=ServerLimits)  # `[limits]` in a config file
     prepare_workers: int = 4  # threads that parse, validate and tokenize requests
+    # The registry, the adapter store and the writer lock; None: a temporary directory removed at
+    # close (tests and embedded servers; the command line's default is the per-user directory).
+    data_dir: str | None = None
+    source_roots: list[str] = field(default_factory=list)  # local directories the admin API may read
+    source_hosts: list[str] = field(default_factory=list)  # http(s) hosts the admin API may fetch from
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (flat or nested sections)
 
 
@@ -53,32 +61,49 @@ class Server:
     async_engine: AsyncEngine
     metrics: ServerMetrics
     served_model: str
+    control: ControlService
 
     def close(self) -> None:
         self.async_engine.shutdown()
         self.app.state.prepare_pool.shutdown(wait=False, cancel_futures=True)
+        self.control.close()
 
 
 def build_server(settings: ServerSettings, engine_config: EngineConfig, progress: bool = True) -> Server:
+    """Load the engine, open the data directory (its lock held until `close`), register the startup
+    adapters through the control plane, serve every registered revision, and build the app."""
+    from loraplex.adapters.sources import SourcePolicy
+    from loraplex.server.control import ADMIN_ENV, ControlService
     from loraplex.server.openai_api import create_app
 
+    if settings.prepare_workers < 1:
+        raise ValueError(f"prepare_workers must be >= 1, got {settings.prepare_workers}")
     engine = Engine(engine_config, progress=progress)
-    for name, path in settings.adapters.items():
-        ref = engine.register_adapter(name, path)
-        if progress:
-            print(f"  adapter {ref.name}@{ref.revision[:12]}", file=sys.stderr)
     served = settings.served_model_name or _default_name(engine_config.model_dir)
     if served in settings.adapters:
         raise ValueError(f"served model name {served!r} collides with an adapter name")
-    metrics = ServerMetrics()
-    async_engine = AsyncEngine(engine, metrics)
-    keys = frozenset(settings.api_keys) | frozenset(
-        k for k in os.environ.get("LORAPLEX_API_KEYS", "").split(",") if k
+    policy = SourcePolicy(
+        roots=tuple(Path(r) for r in settings.source_roots), hosts=tuple(settings.source_hosts)
     )
-    if settings.prepare_workers < 1:
-        raise ValueError(f"prepare_workers must be >= 1, got {settings.prepare_workers}")
-    app = create_app(async_engine, served, metrics, keys, settings.limits, settings.prepare_workers)
-    return Server(app, async_engine, metrics, served)
+    control = ControlService(settings.data_dir, engine, policy)
+    control.served_model = served
+    try:
+        control.register_startup(settings.adapters, progress)
+        control.load_registered()
+        if any(entry.ref.name == served for entry in engine.adapters.list()):
+            raise ValueError(f"served model name {served!r} collides with a registered adapter's name")
+        tokens = [*settings.api_keys, *(k for k in os.environ.get("LORAPLEX_API_KEYS", "").split(",") if k)]
+        keys = control.load_keys(tokens, os.environ.get(ADMIN_ENV))
+        metrics = ServerMetrics()
+        async_engine = AsyncEngine(engine, metrics)
+        control.async_engine = async_engine
+        app = create_app(
+            async_engine, served, metrics, keys, settings.limits, settings.prepare_workers, control
+        )
+    except BaseException:
+        control.close()
+        raise
+    return Server(app, async_engine, metrics, served, control)
 
 
 def _default_name(model_dir: str) -> str:
@@ -95,6 +120,13 @@ def run_server(server: Server, host: str, port: int) -> None:
     server.async_engine.start()
     adapters = [r.ref for r in server.async_engine.engine.adapters.list_latest()]
     print(f"loraplex serving {server.served_model!r} on http://{host}:{port}/v1", file=sys.stderr)
+    print(f"  data directory {server.control.data_dir}", file=sys.stderr)
+    if not server.control.keys:
+        print(
+            "  no API keys configured: the data plane is open to anyone (one default tenant) and the "
+            "admin API is closed (set LORAPLEX_ADMIN_KEY or run `loraplex keys create --admin`)",
+            file=sys.stderr,
+        )
     for ref in adapters:
         print(f"  model {ref.name!r} (adapter, revision {ref.revision[:12]})", file=sys.stderr)
     try:

@@ -29,10 +29,19 @@ def live_server(
     adapters: dict[str, str],
     limits: ServerLimits | None = None,
     api_keys: tuple[str, ...] = (),
+    data_dir: str | None = None,
+    source_roots: tuple[str, ...] = (),
     **engine_kw,  # noqa: ANN003
 ) -> Iterator[tuple[str, Server]]:
-    """A server on `model` with `adapters`; `engine_kw` are SchedulerConfig fields."""
-    settings = ServerSettings(model=model, adapters=adapters, api_keys=list(api_keys))
+    """A server on `model` with `adapters`; `engine_kw` are SchedulerConfig fields; `data_dir` None:
+    a temporary one."""
+    settings = ServerSettings(
+        model=model,
+        adapters=adapters,
+        api_keys=list(api_keys),
+        data_dir=data_dir,
+        source_roots=list(source_roots),
+    )
     if limits is not None:
         settings.limits = limits
     config = EngineConfig(model_dir=model, scheduler=SchedulerConfig(**engine_kw))

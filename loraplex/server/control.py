@@ -1,0 +1,188 @@
+"""The server's control plane: its data directory, the persistent registry and store, and the
+engine's in-memory view of them (`adapters/registry.py`) kept in step.
+
+At startup, before the engine thread runs, it takes the data directory's lock, registers the
+startup adapters (`--adapter`, the demo's) through the same pipeline as the admin API (idempotent:
+a restart finds them registered), and loads every active revision from the store, so a restart
+serves everything without the original sources. While serving, every write runs on one worker
+thread (one writer; never the engine's step thread, never the event loop): the registry first,
+then the change goes to the engine thread as one command, so an admission sees all of it or none.
+The admin API's operations are in `admin_ops.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from loraplex.adapters.control_plane import ControlPlane, RegistrationError
+from loraplex.adapters.data_dir import DataDirLock
+from loraplex.adapters.peft_import import ImportedAdapter
+from loraplex.adapters.registry_db import DEFAULT_TENANT, AdapterRecord, RegistryDB, RegistryError
+from loraplex.adapters.sources import SourcePolicy
+from loraplex.adapters.store import AdapterStore
+from loraplex.server.auth import KeyTable, Principal, token_hash
+from loraplex.server.errors import APIError
+from loraplex.server.limits import TenantQuotas
+from loraplex.types import AdapterRef
+
+if TYPE_CHECKING:
+    from loraplex.engine.engine import Engine
+    from loraplex.server.async_engine import AsyncEngine
+
+_T = TypeVar("_T")
+
+STARTUP = "startup"  # the audit log's principal for what the server's own command line asked for
+ADMIN_ENV = "LORAPLEX_ADMIN_KEY"
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> int:
+    """Bytes of a revision's A and B matrices as stored (float32), from its manifest's shapes."""
+    elements = sum(
+        int(m["a_shape"][0]) * int(m["a_shape"][1]) + int(m["b_shape"][0]) * int(m["b_shape"][1])
+        for m in manifest["modules"]
+    )
+    return 4 * elements
+
+
+class ControlService:
+    def __init__(self, data_dir: str | Path | None, engine: Engine, policy: SourcePolicy) -> None:
+        """`data_dir` None: a temporary directory, removed at close (tests, embedded servers)."""
+        self.temporary = data_dir is None
+        self.data_dir = (
+            Path(tempfile.mkdtemp(prefix="loraplex-data-")) if data_dir is None else Path(data_dir)
+        )
+        self.lock = DataDirLock(self.data_dir).acquire()
+        try:
+            self.db = RegistryDB.in_dir(str(self.data_dir))
+        except BaseException:
+            self.lock.release()
+            raise
+        self.store = AdapterStore(self.data_dir / "store")
+        self.engine = engine
+        self.policy = policy
+        self.plane = self._plane(policy)
+        self.async_engine: AsyncEngine | None = None  # set once the engine thread runs
+        self.served_model = ""  # the base model's name in the API: no adapter or alias may take it
+        self.keys = KeyTable()
+        self.quotas: dict[str, TenantQuotas] = {
+            name: TenantQuotas.from_mapping(q) for name, q in self.db.tenants().items()
+        }
+        # One writer thread: registrations, aliases, retirements, tenants and keys, in order.
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-control")
+        engine.on_adapter_drained = self._drained
+
+    def _plane(self, policy: SourcePolicy) -> ControlPlane:
+        return ControlPlane(
+            self.db,
+            self.store,
+            policy,
+            self.engine.model_config,
+            self.engine.config.lora.max_rank,
+            self.data_dir / "staging",
+        )
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=True, cancel_futures=True)
+        self.db.close()
+        self.lock.release()
+        if self.temporary:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    # --- startup --------------------------------------------------------------------------------
+
+    def register_startup(self, adapters: dict[str, str], progress: bool) -> None:
+        """Register the command line's adapters (the operator named those directories, so they are
+        allowed sources whatever the allow-list says); a restart finds them registered."""
+        if not adapters:
+            return
+        roots = tuple(Path(p) for p in adapters.values())
+        plane = self._plane(SourcePolicy(roots=roots))
+        for name, path in adapters.items():
+            reg = plane.register(name, path, STARTUP, tenant=DEFAULT_TENANT, visibility="shared")
+            if progress:
+                new = "registered" if reg.created else "already registered"
+                print(f"  adapter {name}@{reg.revision[:12]} ({new})", file=sys.stderr)
+
+    def load_registered(self) -> None:
+        """Serve every active revision from the store, oldest first (so each name's newest is its
+        latest), and every alias. A revision left draining by a stopped server has no requests
+        any more: it is retired now."""
+        for rec in sorted(self.db.list_adapters(include_retired=True), key=lambda r: r.created_at):
+            if rec.state == "draining":
+                self.db.set_state(rec.name, rec.revision, "retired", STARTUP)
+            if rec.state != "active":
+                self.engine.adapters.add_retired(
+                    rec.name, rec.revision, rec.manifest, rec.tenant, rec.visibility
+                )
+                continue
+            imported = self.store.get(rec.revision)
+            self.engine.register_imported(rec.name, imported, rec.revision, rec.tenant, rec.visibility)
+        for alias, (name, revision) in self.db.aliases().items():
+            self.engine.adapters.set_alias(alias, AdapterRef(name, revision), restoring=True)
+
+    def load_keys(self, data_tokens: list[str], admin_token: str | None) -> KeyTable:
+        """The registry's live keys, the configured data keys (the default tenant's) and the
+        environment's admin key, in one table the door checks from memory."""
+        for key_hash, rec in self.db.live_keys().items():
+            self.keys.add(key_hash, Principal(rec.role, rec.tenant, f"{rec.label}#{key_hash[:8]}"))
+        for i, token in enumerate(data_tokens):
+            self.keys.add(token_hash(token), Principal("data", DEFAULT_TENANT, f"configured key {i}"))
+        if admin_token:
+            self.keys.add(token_hash(admin_token), Principal("admin", DEFAULT_TENANT, ADMIN_ENV))
+        return self.keys
+
+    # --- while serving --------------------------------------------------------------------------
+
+    def on_engine(self, fn: Callable[[Engine], _T]) -> _T:
+        """Run `fn` on the engine thread (in order with admissions) once it runs; directly before."""
+        if self.async_engine is not None and self.async_engine.alive:
+            result: _T = self.async_engine.call(fn).result(timeout=120)
+            return result
+        return fn(self.engine)
+
+    def quotas_of(self, tenant: str) -> TenantQuotas:
+        return self.quotas.get(tenant) or TenantQuotas()
+
+    def quota_check(self, tenant: str) -> Callable[[ImportedAdapter, str], None]:
+        """The registration-time quotas of `tenant` (count, rank, bytes), as the pipeline's check."""
+        quotas = self.quotas_of(tenant)
+
+        def check(imported: ImportedAdapter, revision: str) -> None:
+            mine = [r for r in self.db.list_adapters() if r.tenant == tenant]
+            if any(r.revision == revision for r in mine):
+                return  # identical content again: idempotent, it adds nothing
+            size = sum(manifest_bytes(r.manifest) for r in mine) + manifest_bytes(imported.manifest)
+            try:
+                quotas.check_registration(tenant, len(mine) + 1, int(imported.manifest["max_rank"]), size)
+            except APIError as err:
+                raise RegistrationError(err.message, err.status) from None
+
+        return check
+
+    def serve_revision(self, rec: AdapterRecord) -> None:
+        """Load a newly recorded revision from the store into the engine (the store read and its
+        check run here, on the writer thread; the engine thread only places the weights)."""
+        imported = self.store.get(rec.revision)
+        weights = imported.weights.to(self.engine.device, self.engine.config.torch_dtype)
+        ready = ImportedAdapter(weights, imported.manifest)
+        self.on_engine(
+            lambda e: e.register_imported(rec.name, ready, rec.revision, rec.tenant, rec.visibility)
+        )
+
+    def _drained(self, ref: AdapterRef) -> None:
+        """Engine thread: the last request on a retired revision ended (its slot is freed unless
+        another name serves the same content). Record it off this thread."""
+        with contextlib.suppress(RuntimeError):  # the server is closing: the next startup retires it
+            self.writer.submit(self._mark_retired, ref)
+
+    def _mark_retired(self, ref: AdapterRef) -> None:
+        # RegistryError: retired already (a restart's startup did it): nothing to record.
+        with contextlib.suppress(RegistryError):
+            self.db.set_state(ref.name, ref.revision, "retired", "engine (drained)")
