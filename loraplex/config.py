@@ -203,10 +203,15 @@ class CacheConfig:
 @dataclass(frozen=True)
 class LoRAConfig:
     max_rank: int = 64
+    # Adapters the device tables hold before they must be reallocated, which makes every
+    # captured decode graph be captured again (more still work, at that one-time cost).
+    max_resident: int = 64
 
     def __post_init__(self) -> None:
         if self.max_rank <= 0:
             raise ValueError("max_rank must be positive")
+        if self.max_resident <= 0:
+            raise ValueError("max_resident must be positive")
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,9 @@ class GraphConfig:
     # Decode steps of up to this many sequences replay CUDA graphs (captured per batch-size bucket
     # on first use); 0 runs every step eagerly. Only on CUDA.
     cuda_graph_max_batch: int = 256
+    # Capture every decode graph (each bucket, base-only and every LoRA shape up to the maximum
+    # rank) when the engine starts, so none is captured while it serves; False: on first use.
+    capture_at_startup: bool = True
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_batch < 0:

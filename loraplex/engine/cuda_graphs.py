@@ -191,6 +191,32 @@ class StaticDecodeRunner:
         assert logits is not None
         return logits[:n], distinct
 
+    def warm_up(self, max_rank: int, progress: bool = False) -> int:
+        """Capture (or, without capture, record) every graph a decode step can need — each
+        bucket, base-only and every LoRA key for adapters of rank up to `max_rank` — so no
+        capture lands on the serving path while the LoRA tables keep their epoch. Returns the
+        number of graphs added."""
+        buckets = sorted({b for n in range(1, self.max_batch + 1) if (b := batch_bucket(n, self.max_batch))})
+        keys = []
+        for b in buckets:
+            keys.append(GraphKey(b, None))
+            keys += [GraphKey(b, lora) for lora in self._inputs_for(b).lora.keys(max_rank)]
+        todo = [k for k in keys if k not in self._graphs]
+        if todo and todo[-1].lora is not None:
+            self._epoch = todo[-1].lora.epoch
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(todo), desc="capturing decode graphs", unit="graph")
+        for key in todo:
+            self._record(key, self._inputs_for(key.batch))
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.close()
+        return len(todo)
+
     # --- host side ------------------------------------------------------------------------------
 
     def _fill(self, inputs: _StaticInputs, chunks: tuple, n: int) -> None:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import gc
 import itertools
 import operator
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from loraplex import kernel_compiles
 from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
 from loraplex.adapters.registry import DEFAULT_TENANT, AdapterRegistry, check_adapter_name
 from loraplex.adapters.residency import AdapterResidency, StepSlots
@@ -87,8 +90,10 @@ class Engine:
             dtype,
             self.device,
         )
-        self.lora_table = LoRASlotTable(mc.num_hidden_layers)
+        self.lora_table = LoRASlotTable(mc.num_hidden_layers, dtype, config.lora.max_resident)
         self.lora_backend = make_lora_backend(self.device)
+        if self.device.type == "cuda":
+            kernel_compiles.install()
         self.adapters = AdapterRegistry()  # which revisions exist, and who holds them
         self.residency = AdapterResidency(self.lora_table, dtype, self.device)  # where their weights are
         self._last_slot_map: tuple[tuple[ScheduledChunk, ...], int, StepSlots] | None = None
@@ -96,6 +101,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.kv, self.lora_table, self.lora_backend, self.device, self._static_decode(config)
         )
+        self.warmup_s = self._warm_up(config, progress)  # before the first request, with a progress bar
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.stop = StopChecker(self.tokenizer, self._eos_ids())
         self._seqs: dict[str, Sequence] = {}
@@ -370,6 +376,18 @@ class Engine:
             return None
         return self.static_decode_runner(max_batch, capture=True)
 
+    def _warm_up(self, config: EngineConfig, progress: bool) -> float:
+        """Seconds spent capturing every decode graph up front (CUDA, `capture_at_startup`)."""
+        static = self.runner.static_decode
+        if static is None or not static.capture or not config.graphs.capture_at_startup:
+            return 0.0
+        t0 = time.perf_counter()
+        added = static.warm_up(config.lora.max_rank, progress)
+        seconds = time.perf_counter() - t0
+        if progress:
+            print(f"captured {added} decode graphs in {seconds:.1f} s", file=sys.stderr)
+        return seconds
+
     def static_decode_runner(self, max_batch: int, capture: bool) -> StaticDecodeRunner:
         """A decode runner over this engine's model, KV cache and LoRA table (capture=False: the
         static buffers without CUDA graphs, as tests and benches on the CPU use them)."""
@@ -389,6 +407,11 @@ class Engine:
         """Decode steps that ran as CUDA-graph replays (0 without graphs)."""
         sd = self.runner.static_decode
         return sd.replays if sd is not None and sd.capture else 0
+
+    @property
+    def kernel_compiles(self) -> int:
+        """The project's Triton kernels compiled in this process so far (every engine's)."""
+        return kernel_compiles.count()
 
     @property
     def graph_captures(self) -> int:

@@ -71,6 +71,15 @@ class LoRAGraphInputs:
         self._write(segments, cap, null_slot)
         return LoRAGraphKey(cap, block_r_for(max_rank), epoch), len(distinct)
 
+    def keys(self, max_rank: int) -> list[LoRAGraphKey]:
+        """Every LoRA key a step of this bucket can have at the tables' current epoch, with
+        adapters of rank up to `max_rank`: what a server captures at startup."""
+        b = self.batch
+        epoch = self.backend.graph_epoch(self.table, self._row_perm.device)[0]
+        caps = sorted({min(1 << (n - 1).bit_length(), b) for n in range(1, b + 1)})
+        tiles = sorted({block_r_for(r) for r in range(1, max_rank + 1)})
+        return [LoRAGraphKey(cap, tile, epoch) for cap in caps for tile in tiles]
+
     def pack_empty(self, key: LoRAGraphKey) -> None:
         """An all-padding step (every segment empty, on the null slot): what a capture records with,
         so the warm-up and the capture change no state."""

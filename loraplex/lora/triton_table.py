@@ -78,11 +78,11 @@ class LoRADeviceTable:
     def _build(self, table: LoRASlotTable) -> None:
         items = table.items()
         n_rows = table.num_layers * len(TARGETS)
-        needed = max((slot for slot, _ in items), default=-1) + 2  # + the null slot
+        needed = max(max((slot for slot, _ in items), default=-1) + 2, table.capacity + 1)  # + the null slot
         dtypes = {t.dtype for _, w in items for p in w.pairs.values() for t in (p.a, p.b)}
         if len(dtypes) > 1:
             raise ValueError(f"LoRA weights mix dtypes {sorted(map(str, dtypes))}; the kernels need one")
-        dtype = dtypes.pop() if dtypes else (self.dtype or torch.float32)
+        dtype = dtypes.pop() if dtypes else (self.dtype or table.dtype or torch.float32)
         realloc = needed > self.n_slots or self._a.shape[0] != n_rows or self.base.dtype != dtype
         if realloc:
             n_slots = max(16, 1 << (needed - 1).bit_length())
@@ -123,7 +123,7 @@ class LoRADeviceTable:
         rank_aligned = bool((r % 8 == 0).all())
         if realloc or rank_aligned != self.rank_aligned:
             self.epoch += 1
-        self.dtype, self.base = (dtype if items else self.dtype), base
+        self.dtype, self.base = (dtype if items or table.dtype is not None else self.dtype), base
         self.rank_aligned = rank_aligned
         if realloc:
             self.n_slots = n_slots

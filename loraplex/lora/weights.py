@@ -73,8 +73,13 @@ class LoRASlotTable:
     weights change underneath it.
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, dtype: torch.dtype | None = None, capacity: int = 0) -> None:
         self.num_layers = num_layers
+        # What device-side copies are sized for before any adapter arrives: the weights' dtype
+        # and the number of slots to hold without reallocating (a reallocation invalidates every
+        # captured decode graph, so the engine sizes it for the adapters it expects up front).
+        self.dtype = dtype
+        self.capacity = capacity
         self._slots: dict[int, AdapterWeights] = {}
         # Bumped on every change, so device-side copies (pointer tables, CUDA-graph buffers) know
         # when to refresh without diffing.

@@ -84,6 +84,17 @@ class ServerMetrics(StepObserver):
         self.graph_captures = Gauge(
             "loraplex_cuda_graphs_captured", "CUDA graphs captured (one per new decode shape)", registry=r
         )
+        self.kernel_compiles = Gauge(
+            "loraplex_kernel_compiles",
+            "Triton kernel specializations compiled in this process (flat after startup: a rise is a "
+            "compile on the serving path)",
+            registry=r,
+        )
+        self.warmup_seconds = Gauge(
+            "loraplex_startup_warmup_seconds",
+            "Seconds the engine spent capturing decode graphs at startup",
+            registry=r,
+        )
         self.refused = Counter(
             "loraplex_requests_refused",
             "HTTP requests refused before reaching the engine",
@@ -129,6 +140,8 @@ class ServerMetrics(StepObserver):
         if stats.static_replay and engine.graph_replays:
             self.graph_replays.inc()
         self.graph_captures.set(engine.graph_captures)
+        self.kernel_compiles.set(engine.kernel_compiles)
+        self.warmup_seconds.set(engine.warmup_s)
 
     def render(self, adapters: set[str] | None = None) -> bytes:
         """The text exposition; with `adapters`, only the per-adapter series of those names (and

@@ -118,3 +118,29 @@ def test_graphs_of_a_bucket_share_one_logits_buffer(tmp_path: Path) -> None:
         e._postprocess(plan, e.runner._run_eager(plan, slots, None))
     assert len(runner._graphs) >= 2 and len({k.batch for k in runner._graphs}) == 1
     assert len({t.data_ptr() for t in outputs}) == 1
+
+
+def test_warm_up_records_every_graph_a_decode_step_can_need(tmp_path: Path) -> None:
+    # After warm-up (CUDA: capture at startup; here the same bookkeeping without capture), a
+    # randomized decode workload - batch sizes through every bucket, adapters of every rank, one
+    # to many segments - meets no graph key it does not have: no capture on the serving path.
+    _, static = _llms(tmp_path, max_batch=24)
+    e = static.engine
+    runner = e.runner.static_decode
+    assert runner is not None
+    added = runner.warm_up(max_rank=16)
+    keys = set(runner._graphs)
+    assert added == len(keys) and {k.batch for k in keys} == {1, 2, 4, 8, 16, 24}
+    assert runner.warm_up(max_rank=16) == 0  # nothing left to add
+    g = torch.Generator().manual_seed(5)
+    names = [None, "r8", "r16", "r4"]
+    for round_ in range(4):
+        n = int(torch.randint(1, 25, (1,), generator=g))
+        for i in range(n):
+            name = names[int(torch.randint(0, 4, (1,), generator=g))]
+            e.add_request(
+                f"w{round_}-{i}", [3 + i, 8, 13], SamplingParams(max_tokens=3 + i % 5, temperature=0.0), name
+            )
+        while e.has_unfinished():
+            e.step()
+    assert runner.replays > 10 and set(runner._graphs) == keys

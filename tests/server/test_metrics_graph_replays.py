@@ -40,11 +40,16 @@ def test_graph_replays_counted_only_for_real_replays() -> None:
         last_stats=_stats(True),
         graph_replays=1,
         graph_captures=3,
+        kernel_compiles=5,
+        warmup_s=1.5,
     )
     metrics.on_step(engine)
     metrics.on_step(engine)
     assert _replays(metrics) == 2
-    assert re.search(r"^loraplex_cuda_graphs_captured 3\.0$", metrics.render().decode(), re.M)
+    text = metrics.render().decode()
+    assert re.search(r"^loraplex_cuda_graphs_captured 3\.0$", text, re.M)
+    assert re.search(r"^loraplex_kernel_compiles 5\.0$", text, re.M)
+    assert re.search(r"^loraplex_startup_warmup_seconds 1\.5$", text, re.M)
     engine.last_stats = _stats(False)  # an eager step
     metrics.on_step(engine)
     engine.last_stats, engine.graph_replays = _stats(True), 0  # static buffers, no graphs (CPU)
