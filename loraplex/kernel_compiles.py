@@ -13,12 +13,13 @@ installed before it. Installing needs triton; nothing is imported when it is abs
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 _lock = threading.Lock()
 _count = 0
 _recent: deque[str] = deque(maxlen=64)  # "kernel[constexprs]" of the latest compilations
+_by_kernel: Counter[str] = Counter()
 _installed = False
 
 
@@ -57,6 +58,7 @@ def record(module: str, name: str, constants: dict[str, Any]) -> None:
     shown = ", ".join(f"{k}={v}" for k, v in constants.items())
     with _lock:
         _count += 1
+        _by_kernel[name] += 1
         _recent.append(f"{name}[{shown}]")
 
 
@@ -67,3 +69,9 @@ def count() -> int:
 def recent() -> list[str]:
     with _lock:
         return list(_recent)
+
+
+def by_kernel() -> dict[str, int]:
+    """Compilations per kernel name so far."""
+    with _lock:
+        return dict(_by_kernel)

@@ -35,4 +35,6 @@ def test_hook_counts_project_kernels_and_chains(monkeypatch: pytest.MonkeyPatch)
     hook(fn=_info("someone.else", "their_kernel", ["y"]), constants={})
     assert kernel_compiles.count() == before + 1
     assert kernel_compiles.recent()[-1] == "lora_shrink_kernel[BLOCK_R=16]"
+    per_kernel = kernel_compiles.by_kernel()
+    assert per_kernel["lora_shrink_kernel"] >= 1 and "their_kernel" not in per_kernel
     assert seen == ["lora_shrink_kernel", "their_kernel"]
