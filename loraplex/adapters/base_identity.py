@@ -102,8 +102,14 @@ def directory_identity(
         if cache_file is not None:
             cache[str(root)] = {"stats": stats, "revision": revision}
             _write_cache(cache_file, cache)
-    tokenizer = root / TOKENIZER_JSON
-    vocab = tokenizer_vocab_hash(tokenizer) if tokenizer.is_file() else None
+    vocab = None
+    if (root / TOKENIZER_JSON).is_file():
+        try:
+            vocab = tokenizer_vocab_hash(root / TOKENIZER_JSON)
+        except ValueError:
+            # an unreadable vocabulary must not stop the server; with none to compare against,
+            # every adapter that ships a tokenizer is refused
+            vocab = None
     return BaseIdentity(root.name, revision, vocab)
 
 
