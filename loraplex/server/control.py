@@ -131,6 +131,8 @@ class ControlService:
             made_for = rec.manifest.get("base_revision")
             if made_for != self.base.revision:
                 skipped.add((rec.name, rec.revision))
+                if rec.state != "active":
+                    continue  # nothing to serve either way; its state moves on under its base
                 print(
                     f"  not serving {rec.name}@{rec.revision[:12]}: made for base revision "
                     f"{made_for or '(unrecorded)'}, this server's base is {self.base.revision}",
