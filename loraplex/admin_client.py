@@ -105,14 +105,17 @@ class OfflineAdmin:
             raise AdminError(str(err)) from None
 
     def register(self, name: str, source: str, **fields: Any) -> Any:  # noqa: ANN401
+        from loraplex.adapters.base_identity import directory_identity
         from loraplex.adapters.control_plane import ControlPlane
         from loraplex.adapters.sources import SourcePolicy
         from loraplex.adapters.store import AdapterStore
         from loraplex.config import LoRAConfig, ModelConfig
         from loraplex.demo import DEMO_MODEL_DIR
         from loraplex.server.admin_ops import record_json
+        from loraplex.server.control import BASE_CACHE
 
-        model = ModelConfig.from_dir(self.model_dir or str(DEMO_MODEL_DIR))
+        model_dir = self.model_dir or str(DEMO_MODEL_DIR)
+        model = ModelConfig.from_dir(model_dir)
         with self._writing():
             plane = ControlPlane(
                 self.db,
@@ -121,6 +124,7 @@ class OfflineAdmin:
                 model,
                 LoRAConfig().max_rank,
                 self.data_dir / "staging",
+                directory_identity(model_dir, self.data_dir / BASE_CACHE),
             )
             reg = plane.register(
                 name,

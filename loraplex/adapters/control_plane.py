@@ -1,9 +1,12 @@
 """Registering an adapter from a source, as one transaction:
 
     fetch (allow-listed source, size limits) -> verify (the caller's sha256, if given)
-    -> scan and convert (safetensors only, never unpickled; ranks, shapes, targets, NaN/Inf)
-    -> store (content-addressed, atomic) -> record (the persistent registry)
+    -> scan and convert (safetensors only, never unpickled; ranks, shapes, targets, NaN/Inf; the
+       base revision and tokenizer it records must be the served base's)
+    -> store (content-addressed, atomic) -> check (the caller's quotas) -> record (the registry)
 
+The steps up to the store write are `registration_worker.prepare`: in process by default, in a
+worker process when the server runs one (so a large adapter does not slow the engine's steps).
 A failure at any step records nothing, leaves no file in the store that was not there before,
 and is written to the audit log with its reason; registering identical content again is
 idempotent. Loading the weights into the serving engine is residency's business, not this one's.
@@ -12,7 +15,6 @@ idempotent. Loading the weights into the serving engine is residency's business,
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -20,13 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
+from loraplex.adapters.base_identity import BaseIdentity
+from loraplex.adapters.registration_worker import Prepared, PrepareJob, prepare
 from loraplex.adapters.registry import check_adapter_name
 from loraplex.adapters.registry_db import DEFAULT_TENANT, RegistryDB, RegistryError
-from loraplex.adapters.revision import adapter_revision
-from loraplex.adapters.sources import ADAPTER_FILES, SourcePolicy, fetch
+from loraplex.adapters.sources import SourcePolicy
 from loraplex.adapters.store import AdapterStore
 from loraplex.config import ModelConfig
+
+Runner = Callable[[PrepareJob], Prepared]
 
 
 class RegistrationError(ValueError):
@@ -55,13 +59,19 @@ class ControlPlane:
         model_config: ModelConfig,
         max_rank: int,
         staging_root: Path,
+        base: BaseIdentity,
+        runner: Runner = prepare,
     ) -> None:
+        """`base`: the served base's identity (adapters for another are refused); `runner` runs
+        `prepare` (in process, or a `registration_worker.WorkerProcess`)."""
         self.db = db
         self.store = store
         self.policy = policy
         self.model_config = model_config
         self.max_rank = max_rank
         self.staging_root = staging_root
+        self.base = base
+        self.runner = runner
         staging_root.mkdir(parents=True, exist_ok=True)
 
     def register(
@@ -72,59 +82,42 @@ class ControlPlane:
         sha256: str | None = None,
         tenant: str = DEFAULT_TENANT,
         visibility: str = "private",
-        check: Callable[[ImportedAdapter, str], None] | None = None,
+        check: Callable[[dict[str, Any], str], None] | None = None,
     ) -> Registration:
-        """`check(imported, revision)`: called before anything is stored (the server's per-tenant
-        quotas); a ValueError from it refuses the registration like any other step."""
+        """`check(manifest, revision)`: called before anything is recorded (the server's
+        per-tenant quotas); a ValueError from it refuses the registration like any other step."""
         staging = Path(tempfile.mkdtemp(prefix="fetch-", dir=self.staging_root))
-        stored_now = False
-        revision = ""
+        before = set(self.store.revisions())  # one writer: whatever appears beyond it is ours
         try:
             try:
                 check_adapter_name(name)
-                fetch(source, staging, self.policy)
-                files = _checksums(staging)
-                if sha256 is not None and files["adapter_model.safetensors"] != sha256.lower():
-                    raise RegistrationError(
-                        f"checksum mismatch: adapter_model.safetensors has sha256 "
-                        f"{files['adapter_model.safetensors']}, the request expected {sha256.lower()}"
-                    )
-                imported = import_peft_adapter(staging, self.model_config, self.max_rank)
-                revision = adapter_revision(imported)
+                job = PrepareJob(
+                    source, staging, self.policy, self.model_config, self.max_rank, self.base, sha256,
+                    self.store.root,
+                )  # fmt: skip
+                prepared = self.runner(job)
                 if check is not None:
-                    check(imported, revision)
-                stored_now = revision not in self.store
-                self.store.put(revision, imported)
+                    check(prepared.manifest, prepared.revision)
                 provenance = {
                     "source": source,
-                    "files": files,
+                    "files": prepared.files,
                     "registered_at": dt.datetime.now(dt.UTC).isoformat(),
                     "principal": principal,
                 }
                 created = self.db.add_revision(
-                    name, revision, imported.manifest, provenance, principal, tenant, visibility
+                    name, prepared.revision, prepared.manifest, provenance, principal, tenant, visibility
                 )
             except RegistryError as err:
                 raise RegistrationError(str(err)) from None  # the registry audited it already
-            except ValueError as err:  # fetch, checksum, import and store refusals
+            except (ValueError, RuntimeError) as err:  # refusals of every step; a dead worker
                 reason = str(err).replace(str(staging), source)  # name what the caller sent
                 self.db.record_refusal(principal, "register", f"{name} from {source}", reason)
-                raise RegistrationError(reason, getattr(err, "status", 400)) from None
+                status = getattr(err, "status", 400 if isinstance(err, ValueError) else 500)
+                raise RegistrationError(reason, status) from None
         except BaseException:
-            if stored_now:  # nobody else refers to a file this attempt added
+            for revision in set(self.store.revisions()) - before:  # nobody else refers to them
                 self.store.remove(revision)
             raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return Registration(name, revision, imported.manifest, created)
-
-
-def _checksums(directory: Path) -> dict[str, str]:
-    out = {}
-    for name in ADAPTER_FILES:
-        digest = hashlib.sha256()
-        with open(directory / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        out[name] = digest.hexdigest()
-    return out
+        return Registration(name, prepared.revision, prepared.manifest, created)

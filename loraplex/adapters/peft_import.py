@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from loraplex.adapters.base_identity import BaseIdentity, check_adapter_base
 from loraplex.adapters.peft_config import CONFIG_FILE, AdapterImportError, LoraSpec, parse_config, read_config
 from loraplex.adapters.peft_targets import PlannedModule, base_module_names, plan_modules, projection_keys
 from loraplex.config import ModelConfig
@@ -65,8 +66,11 @@ class ImportedAdapter:
     manifest: dict[str, Any]  # JSON-serialisable description; hashed into the revision
 
 
-def import_peft_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> ImportedAdapter:
+def import_peft_adapter(
+    path: str | Path, model_config: ModelConfig, max_rank: int, base: BaseIdentity | None = None
+) -> ImportedAdapter:
     """Read a PEFT LoRA adapter directory and normalize it for `model_config`'s base model.
+    `base`: the served base's identity, recorded in the manifest (and so in the revision).
 
     Raises `AdapterImportError` (a `ValueError`) naming the problem for anything that cannot be
     served exactly; never unpickles anything.
@@ -75,9 +79,17 @@ def import_peft_adapter(path: str | Path, model_config: ModelConfig, max_rank: i
         raise ValueError(f"max_rank must be a positive integer, got {max_rank!r}")
     root = Path(path)
     try:
-        return _import(root, model_config, max_rank)
+        if base is not None and root.is_dir():  # a base or tokenizer mismatch: before any weight
+            try:
+                check_adapter_base(root, base)
+            except ValueError as err:
+                raise AdapterImportError(str(err)) from None
+        imported = _import(root, model_config, max_rank)
     except AdapterImportError as err:
         raise AdapterImportError(f"cannot import PEFT adapter {root}: {err}") from None
+    if base is not None:
+        imported.manifest.update(base.manifest_fields())
+    return imported
 
 
 def _import(root: Path, model_config: ModelConfig, max_rank: int) -> ImportedAdapter:

@@ -20,99 +20,46 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    JSON,
-    Column,
-    DateTime,
-    ForeignKey,
-    Integer,
-    MetaData,
-    PrimaryKeyConstraint,
-    String,
-    Table,
-    create_engine,
-    event,
-    func,
-    insert,
-    inspect,
-    select,
-    update,
-)
+from sqlalchemy import Table, create_engine, event, func, insert, inspect, select, update
 from sqlalchemy.engine import Connection, Engine
 
-SCHEMA_VERSION = 1
-STATES = ("active", "draining", "retired")
-VISIBILITIES = ("private", "shared")
-ROLES = ("data", "admin")
-DEFAULT_TENANT = "default"
-
-metadata = MetaData()
-
-schema_info = Table("schema_info", metadata, Column("version", Integer, nullable=False))
-
-tenants = Table(
-    "tenants",
+from loraplex.adapters.registry_schema import (
+    DEFAULT_TENANT,
+    MIGRATIONS,
+    ROLES,
+    SCHEMA_VERSION,
+    STATES,
+    VISIBILITIES,
+    adapters,
+    aliases,
+    api_keys,
+    audit_log,
+    fit,
     metadata,
-    Column("name", String(128), primary_key=True),
-    Column("quotas", JSON, nullable=False),
-    Column("created_at", DateTime(timezone=True), nullable=False),
+    schema_info,
+    tenants,
 )
 
-adapters = Table(
+__all__ = [  # the tables and constants are part of this module's interface
+    "DEFAULT_TENANT",
+    "MIGRATIONS",
+    "SCHEMA_VERSION",
+    "AdapterRecord",
+    "KeyRecord",
+    "RegistryDB",
+    "RegistryError",
     "adapters",
-    metadata,
-    Column("name", String(128), nullable=False),
-    Column("revision", String(64), nullable=False),
-    Column("manifest", JSON, nullable=False),
-    Column("provenance", JSON, nullable=False),
-    Column("tenant", String(128), ForeignKey("tenants.name"), nullable=False),
-    Column("visibility", String(16), nullable=False),
-    Column("state", String(16), nullable=False),
-    Column("created_at", DateTime(timezone=True), nullable=False),
-    Column("created_by", String(128), nullable=False),
-    PrimaryKeyConstraint("name", "revision"),
-)
-
-aliases = Table(
     "aliases",
-    metadata,
-    Column("alias", String(256), primary_key=True),
-    Column("name", String(128), nullable=False),
-    Column("revision", String(64), nullable=False),
-    Column("updated_at", DateTime(timezone=True), nullable=False),
-    Column("updated_by", String(128), nullable=False),
-)
-
-api_keys = Table(
     "api_keys",
-    metadata,
-    Column("key_hash", String(64), primary_key=True),
-    Column("role", String(8), nullable=False),
-    Column("tenant", String(128), ForeignKey("tenants.name"), nullable=False),
-    Column("label", String(256), nullable=False),
-    Column("created_at", DateTime(timezone=True), nullable=False),
-    Column("revoked_at", DateTime(timezone=True), nullable=True),
-)
-
-audit_log = Table(
     "audit_log",
-    metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("at", DateTime(timezone=True), nullable=False),
-    Column("principal", String(128), nullable=False),
-    Column("action", String(64), nullable=False),
-    Column("target", String(512), nullable=False),
-    Column("result", String(16), nullable=False),  # ok | exists | refused
-    Column("reason", String(2048), nullable=True),
-)
-
-# version -> the step that brings a database of that version to the next one
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+    "hash_key",
+    "tenants",
+]
 
 
 class RegistryError(ValueError):
@@ -231,7 +178,7 @@ class RegistryDB:
                     visibility=visibility,
                     state="active",
                     created_at=_now(),
-                    created_by=principal,
+                    created_by=fit(principal, adapters.c.created_by),
                 )
             )
             self._audit(conn, principal, "register", target, "ok", None)
@@ -304,7 +251,12 @@ class RegistryDB:
             if state != "active":
                 why = "unknown revision" if state is None else f"the revision is {state}"
             else:
-                values = {"name": name, "revision": revision, "updated_at": _now(), "updated_by": principal}
+                values = {
+                    "name": name,
+                    "revision": revision,
+                    "updated_at": _now(),
+                    "updated_by": fit(principal, aliases.c.updated_by),
+                }
                 changed = conn.execute(
                     update(aliases).where(aliases.c.alias == alias).values(**values)
                 ).rowcount
@@ -392,7 +344,12 @@ class RegistryDB:
     ) -> None:
         conn.execute(
             insert(audit_log).values(
-                at=_now(), principal=principal, action=action, target=target, result=result, reason=reason
+                at=_now(),
+                principal=fit(principal, audit_log.c.principal),
+                action=fit(action, audit_log.c.action),
+                target=fit(target, audit_log.c.target),
+                result=result,
+                reason=None if reason is None else fit(reason, audit_log.c.reason),
             )
         )
 
@@ -400,7 +357,7 @@ class RegistryDB:
         """Audit a control-plane action refused before it reached the registry (a bad source, a
         checksum mismatch, an adapter that cannot be served)."""
         with self._write() as conn:
-            self._audit(conn, principal, action, target[:512], "refused", reason[:2048])
+            self._audit(conn, principal, action, target, "refused", reason)
 
     def _refuse(
         self, principal: str, action: str, target: str, reason: str, message: str | None = None

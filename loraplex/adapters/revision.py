@@ -3,6 +3,10 @@
 Two imports of the same content give the same revision wherever the files lie and whatever they are
 named; any change to a weight, a rank, a scale or the targeted modules gives a new one. KV/prefix
 hashes, device slots and metrics key on this string, never on the adapter's name.
+
+The manifest's base revision and tokenizer hash are content (the same weights on another base
+are another adapter); the base model's id is not (it names where the base was found), so it is
+left out of the hash.
 """
 
 from __future__ import annotations
@@ -22,11 +26,16 @@ def canonical_manifest_bytes(manifest: dict[str, Any]) -> bytes:
     return text.encode("ascii")
 
 
+# Manifest fields that describe, not define, the content.
+_UNHASHED_FIELDS = ("base_model_id",)
+
+
 def adapter_revision(imported: ImportedAdapter) -> str:
-    """sha256 hex of the canonical manifest followed by every A then B tensor as little-endian
-    float32 bytes, in sorted (layer, target) order."""
+    """sha256 hex of the canonical manifest (less `_UNHASHED_FIELDS`) followed by every A then B
+    tensor as little-endian float32 bytes, in sorted (layer, target) order."""
     _check_manifest_matches_weights(imported)
-    digest = hashlib.sha256(canonical_manifest_bytes(imported.manifest))
+    hashed = {k: v for k, v in imported.manifest.items() if k not in _UNHASHED_FIELDS}
+    digest = hashlib.sha256(canonical_manifest_bytes(hashed))
     pairs = imported.weights.pairs
     for key in sorted(pairs):
         digest.update(_float32_bytes(pairs[key].a))

@@ -9,7 +9,9 @@ The control plane fetches; the data plane never names a path or URL. A source is
                         the environment, or `s3_endpoint` for an S3-compatible server)
 
 Only the files an adapter consists of are fetched (`adapter_config.json`,
-`adapter_model.safetensors`); each is read in chunks and the fetch stops the moment a file or the
+`adapter_model.safetensors`, and where present the optional `loraplex.json` naming its base
+revision and tokenizer files, which registration compares with the served base's); each is read
+in chunks and the fetch stops the moment a file or the
 total passes its limit, so an endless body costs at most the limit. Remote reads go through fsspec.
 """
 
@@ -23,7 +25,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from loraplex.adapters.base_identity import BASE_FILE, TOKENIZER_FILES
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+OPTIONAL_FILES = (BASE_FILE, *TOKENIZER_FILES)  # fetched when the source has them
 _CHUNK = 1 << 20
 
 
@@ -60,7 +65,7 @@ def fetch(source: str, staging: Path, policy: SourcePolicy) -> Path:
         else:
             raise SourceError(f"unsupported source scheme {scheme!r} (local paths, http(s) and s3 URLs)")
     except BaseException:
-        for name in ADAPTER_FILES:  # a refused fetch leaves nothing behind, not half an adapter
+        for name in (*ADAPTER_FILES, *OPTIONAL_FILES):  # a refused fetch leaves nothing, not half
             (staging / name).unlink(missing_ok=True)
         raise
     return staging
@@ -86,8 +91,10 @@ def local_dir(source: str, policy: SourcePolicy) -> Path:
 def _fetch_local(source: str, staging: Path, policy: SourcePolicy) -> None:
     directory = local_dir(source, policy)
     total = 0
-    for name in ADAPTER_FILES:
+    for name in (*ADAPTER_FILES, *OPTIONAL_FILES):
         path = directory / name
+        if name in OPTIONAL_FILES and not path.is_symlink() and not path.exists():
+            continue
         resolved = path.resolve()
         # each file too: a symlink inside an allowed directory may point anywhere
         if not any(resolved.is_relative_to(root) for root in policy.roots):
@@ -112,7 +119,7 @@ def _fetch_http(source: str, staging: Path, policy: SourcePolicy) -> None:
     fs = fsspec.filesystem("http", client_kwargs={}, skip_instance_cache=True)
     base = source.rstrip("/")
     total = 0
-    for name in ADAPTER_FILES:
+    for name in (*ADAPTER_FILES, *OPTIONAL_FILES):
         url = f"{base}/{name}"
         try:
             with fs.open(url, "rb", block_size=0, allow_redirects=False) as f:
@@ -124,6 +131,8 @@ def _fetch_http(source: str, staging: Path, policy: SourcePolicy) -> None:
         except SourceError:
             raise
         except FileNotFoundError:
+            if name in OPTIONAL_FILES:
+                continue
             raise SourceError(f"{url}: not found") from None
         except Exception as err:  # network errors, HTTP errors, redirects refused
             raise SourceError(f"{url}: fetch failed ({err.__class__.__name__}: {err})") from None
@@ -144,7 +153,7 @@ def _fetch_s3(source: str, staging: Path, policy: SourcePolicy) -> None:
     fs = fsspec.filesystem("s3", client_kwargs=client, skip_instance_cache=True)
     base = f"{bucket}/{parts.path.strip('/')}".rstrip("/")
     total = 0
-    for name in ADAPTER_FILES:
+    for name in (*ADAPTER_FILES, *OPTIONAL_FILES):
         key = f"{base}/{name}"
         try:
             with fs.open(key, "rb", block_size=_CHUNK, cache_type="none") as f:
@@ -152,6 +161,8 @@ def _fetch_s3(source: str, staging: Path, policy: SourcePolicy) -> None:
         except SourceError:
             raise
         except FileNotFoundError:
+            if name in OPTIONAL_FILES:
+                continue
             raise SourceError(f"s3://{key}: not found") from None
         except Exception as err:  # credentials, network, permissions
             raise SourceError(f"s3://{key}: fetch failed ({err.__class__.__name__}: {err})") from None

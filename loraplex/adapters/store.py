@@ -30,10 +30,12 @@ class StoreError(ValueError):
 
 
 class AdapterStore:
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, clean: bool = True) -> None:
+        """`clean`: remove what writes cut short by a crash left (the writer's own store; not a
+        registration worker's view of it)."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob("*/.tmp-*"):  # a write that a crash cut short
+        for stale in self.root.glob("*/.tmp-*") if clean else ():
             stale.unlink(missing_ok=True)
 
     def path(self, revision: str) -> Path:

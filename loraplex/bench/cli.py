@@ -155,6 +155,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         s.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
     s.add_argument("--out", type=Path, default=Path("bench-results/serve"), help="output directory")
     s.set_defaults(run=_serve)
+    from loraplex.bench.registration import add_parser as add_registration  # loads no torch
+
+    add_registration(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

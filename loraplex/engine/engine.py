@@ -20,6 +20,12 @@ from typing import NamedTuple
 import torch
 
 from loraplex import kernel_compiles
+from loraplex.adapters.base_identity import (
+    BaseIdentity,
+    config_revision,
+    declared_identity,
+    directory_identity,
+)
 from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
 from loraplex.adapters.registry import DEFAULT_TENANT, AdapterRegistry, check_adapter_name
 from loraplex.adapters.residency import AdapterResidency, StepSlots
@@ -58,12 +64,23 @@ class RequestDelta(NamedTuple):
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, progress: bool = False, model: LlamaFamilyModel | None = None
+        self,
+        config: EngineConfig,
+        progress: bool = False,
+        model: LlamaFamilyModel | None = None,
+        base_revision: str | None = None,
     ) -> None:
         """Load the model from `config.model_dir`, or serve `model` as given (already on
         `config.device` in `config.dtype`; its `config` is the ModelConfig, `config.model_dir` is
-        not read, and there is no tokenizer, so prompts must be token ids)."""
+        not read, and there is no tokenizer, so prompts must be token ids). `base_revision`: the
+        declared base revision of an in-process `model` (default: one derived from its config);
+        a model directory's is the hash of its files (`base`)."""
         self.config = config
+        self._base: BaseIdentity | None = None
+        if model is not None:
+            self._base = declared_identity("in-process", base_revision or config_revision(model.config))
+        elif base_revision is not None:
+            raise ValueError("base_revision is declared only for an in-process model")
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
         if model is None:
@@ -117,6 +134,18 @@ class Engine:
         gc.collect()
         gc.freeze()
 
+    @property
+    def base(self) -> BaseIdentity:
+        """The served base's identity (hashed on first use unless `identify_base` ran)."""
+        return self._base or self.identify_base(None)
+
+    def identify_base(self, cache_file: Path | None) -> BaseIdentity:
+        """Hash the model directory's config and weights now (`cache_file`: the stat cache the
+        server keeps in its data directory); an in-process model keeps its declared revision."""
+        if self._base is None:
+            self._base = directory_identity(self.config.model_dir, cache_file)
+        return self._base
+
     # --- requests -------------------------------------------------------------------------------
 
     def register_adapter(self, name: str, path: str | Path) -> AdapterRef:
@@ -124,7 +153,7 @@ class Engine:
         changes nothing in that case."""
         check_adapter_name(name)
         return self.register_imported(
-            name, import_peft_adapter(path, self.model_config, self.config.lora.max_rank)
+            name, import_peft_adapter(path, self.model_config, self.config.lora.max_rank, self.base)
         )
 
     def register_imported(
@@ -139,6 +168,12 @@ class Engine:
         `revision`: the content's revision when the caller computed it already (the control plane
         does, off this thread: hashing a large adapter here would hold up every step)."""
         check_adapter_name(name)
+        made_for = imported.manifest.get("base_revision")
+        if made_for is not None and made_for != self.base.revision:
+            raise ValueError(
+                f"base model mismatch: {name} was made for base revision {made_for!r}, this engine "
+                f"serves {self.base.revision!r}"
+            )
         revision = revision or adapter_revision(imported)
         if self.adapters.is_retired(AdapterRef(name, revision)):  # before loading: nothing changes
             raise ValueError(f"{name}@{revision[:12]} is retired; a retired revision stays retired")

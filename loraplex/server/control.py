@@ -21,9 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from loraplex.adapters.control_plane import ControlPlane, RegistrationError
+from loraplex.adapters.control_plane import ControlPlane, RegistrationError, Runner
 from loraplex.adapters.data_dir import DataDirLock
 from loraplex.adapters.peft_import import ImportedAdapter
+from loraplex.adapters.registration_worker import WorkerProcess, prepare
 from loraplex.adapters.registry_db import DEFAULT_TENANT, AdapterRecord, RegistryDB, RegistryError
 from loraplex.adapters.sources import SourcePolicy
 from loraplex.adapters.store import AdapterStore
@@ -40,6 +41,7 @@ _T = TypeVar("_T")
 
 STARTUP = "startup"  # the audit log's principal for what the server's own command line asked for
 ADMIN_ENV = "LORAPLEX_ADMIN_KEY"
+BASE_CACHE = "base-revisions.json"  # the base revision's stat cache, in the data directory
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> int:
@@ -66,8 +68,13 @@ class ControlService:
             raise
         self.store = AdapterStore(self.data_dir / "store")
         self.engine = engine
+        # Hashed once here; a restart with unchanged files reads the revision from the stat cache.
+        self.base = engine.identify_base(self.data_dir / BASE_CACHE)
         self.policy = policy
-        self.plane = self._plane(policy)
+        # While serving, fetching, converting and hashing run in a worker process (started on the
+        # first registration): on the server's threads they would slow every engine step.
+        self.worker = WorkerProcess()
+        self.plane = self._plane(policy, self.worker)
         self.async_engine: AsyncEngine | None = None  # set once the engine thread runs
         self.served_model = ""  # the base model's name in the API: no adapter or alias may take it
         self.keys = KeyTable()
@@ -78,7 +85,7 @@ class ControlService:
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-control")
         engine.on_adapter_drained = self._drained
 
-    def _plane(self, policy: SourcePolicy) -> ControlPlane:
+    def _plane(self, policy: SourcePolicy, runner: Runner = prepare) -> ControlPlane:
         return ControlPlane(
             self.db,
             self.store,
@@ -86,10 +93,13 @@ class ControlService:
             self.engine.model_config,
             self.engine.config.lora.max_rank,
             self.data_dir / "staging",
+            self.base,
+            runner,
         )
 
     def close(self) -> None:
         self.writer.shutdown(wait=True, cancel_futures=True)
+        self.worker.close()
         self.db.close()
         self.lock.release()
         if self.temporary:
@@ -99,7 +109,8 @@ class ControlService:
 
     def register_startup(self, adapters: dict[str, str], progress: bool) -> None:
         """Register the command line's adapters (the operator named those directories, so they are
-        allowed sources whatever the allow-list says); a restart finds them registered."""
+        allowed sources whatever the allow-list says); a restart finds them registered. In
+        process: no engine step runs yet, and no worker process needs starting."""
         if not adapters:
             return
         roots = tuple(Path(p) for p in adapters.values())
@@ -113,8 +124,21 @@ class ControlService:
     def load_registered(self) -> None:
         """Serve every active revision from the store, oldest first (so each name's newest is its
         latest), and every alias. A revision left draining by a stopped server has no requests
-        any more: it is retired now."""
+        any more: it is retired now. A revision made for another base (or recorded before base
+        revisions were) is not served, and says so; its record stays for a server of its base."""
+        skipped: set[tuple[str, str]] = set()
         for rec in sorted(self.db.list_adapters(include_retired=True), key=lambda r: r.created_at):
+            made_for = rec.manifest.get("base_revision")
+            if made_for != self.base.revision:
+                skipped.add((rec.name, rec.revision))
+                if rec.state != "active":
+                    continue  # nothing to serve either way; its state moves on under its base
+                print(
+                    f"  not serving {rec.name}@{rec.revision[:12]}: made for base revision "
+                    f"{made_for or '(unrecorded)'}, this server's base is {self.base.revision}",
+                    file=sys.stderr,
+                )
+                continue
             if rec.state == "draining":
                 self.db.set_state(rec.name, rec.revision, "retired", STARTUP)
             if rec.state != "active":
@@ -125,6 +149,8 @@ class ControlService:
             imported = self.store.get(rec.revision)
             self.engine.register_imported(rec.name, imported, rec.revision, rec.tenant, rec.visibility)
         for alias, (name, revision) in self.db.aliases().items():
+            if (name, revision) in skipped:
+                continue
             self.engine.adapters.set_alias(alias, AdapterRef(name, revision), restoring=True)
 
     def load_keys(self, data_tokens: list[str], admin_token: str | None) -> KeyTable:
@@ -150,17 +176,17 @@ class ControlService:
     def quotas_of(self, tenant: str) -> TenantQuotas:
         return self.quotas.get(tenant) or TenantQuotas()
 
-    def quota_check(self, tenant: str) -> Callable[[ImportedAdapter, str], None]:
+    def quota_check(self, tenant: str) -> Callable[[dict[str, Any], str], None]:
         """The registration-time quotas of `tenant` (count, rank, bytes), as the pipeline's check."""
         quotas = self.quotas_of(tenant)
 
-        def check(imported: ImportedAdapter, revision: str) -> None:
+        def check(manifest: dict[str, Any], revision: str) -> None:
             mine = [r for r in self.db.list_adapters() if r.tenant == tenant]
             if any(r.revision == revision for r in mine):
                 return  # identical content again: idempotent, it adds nothing
-            size = sum(manifest_bytes(r.manifest) for r in mine) + manifest_bytes(imported.manifest)
+            size = sum(manifest_bytes(r.manifest) for r in mine) + manifest_bytes(manifest)
             try:
-                quotas.check_registration(tenant, len(mine) + 1, int(imported.manifest["max_rank"]), size)
+                quotas.check_registration(tenant, len(mine) + 1, int(manifest["max_rank"]), size)
             except APIError as err:
                 raise RegistrationError(err.message, err.status) from None
 

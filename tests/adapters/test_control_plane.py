@@ -18,6 +18,7 @@ from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from loraplex.adapters import registry_db as rdb  # noqa: E402
+from loraplex.adapters.base_identity import directory_identity  # noqa: E402
 from loraplex.adapters.control_plane import ControlPlane, RegistrationError  # noqa: E402
 from loraplex.adapters.registry_db import RegistryDB  # noqa: E402
 from loraplex.adapters.sources import SourcePolicy  # noqa: E402
@@ -78,6 +79,7 @@ def _plane(root: Path, model_dir: Path, sources: Path, tag: str) -> ControlPlane
         ModelConfig.from_dir(model_dir),
         max_rank=16,
         staging_root=data / "staging",
+        base=directory_identity(model_dir),
     )
 
 

@@ -133,3 +133,29 @@ def test_one_writer_per_data_directory(tmp_path: Path) -> None:
         pass
     with DataDirLock(tmp_path), pytest.raises(DataDirLockedError):
         DataDirLock(tmp_path).acquire()  # the same process's second writer too
+
+
+def test_the_schema_and_queries_compile_for_postgresql() -> None:
+    """No PostgreSQL server here: the tables' DDL and the registry's prefix match compile for its
+    dialect (the only SQLite-specific code is the pragma hook, attached for sqlite URLs only)."""
+    from sqlalchemy import select
+    from sqlalchemy.dialects import postgresql
+    from sqlalchemy.schema import CreateTable
+
+    dialect = postgresql.dialect()
+    for table in rdb.metadata.sorted_tables:
+        assert "CREATE TABLE" in str(CreateTable(table).compile(dialect=dialect))
+    like = select(rdb.adapters).where(rdb.adapters.c.revision.startswith("ab%", autoescape=True))
+    assert "LIKE" in str(like.compile(dialect=dialect))
+
+
+def test_long_texts_fit_their_columns(tmp_path: Path) -> None:
+    """PostgreSQL refuses a string longer than its column (SQLite does not): the registry clips
+    free text, keeping its head and tail (a principal's key id is its end)."""
+    db = RegistryDB.in_dir(str(tmp_path))
+    principal = "k" * 300 + "#abcd1234"
+    db.record_refusal(principal, "register", "t" * 900, "r" * 3000)
+    row = db.audit(limit=10)[-1]
+    assert len(row["principal"]) == 128 and row["principal"].endswith("#abcd1234")
+    assert len(row["target"]) == 512 and len(row["reason"]) == 2048 and "..." in row["reason"]
+    db.close()

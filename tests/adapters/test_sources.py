@@ -35,6 +35,10 @@ def test_local_sources_stay_under_their_roots(tmp_path: Path) -> None:
     sneaky.mkdir()
     (sneaky / "adapter_config.json").write_bytes(CONFIG)
     (sneaky / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    vocab = _adapter(root / "vocab")
+    (vocab / "tokenizer.json").symlink_to(secret)  # an optional file escapes as surely
     policy = SourcePolicy(roots=(root,))
 
     got = fetch(str(good), tmp_path / "stage-ok", policy)
@@ -45,6 +49,7 @@ def test_local_sources_stay_under_their_roots(tmp_path: Path) -> None:
         str(outside): "outside the allowed source roots",
         str(root / "escape"): "outside the allowed source roots",  # a symlinked directory
         str(sneaky): "links outside",  # a symlinked file
+        str(vocab): "tokenizer.json in .* links outside",
         str(root / "missing"): "not found",
         "ftp://host/x": "unsupported source scheme",
     }
@@ -95,6 +100,7 @@ def http_server() -> Iterator[str]:
     _Handler.files = {
         "/sql/adapter_config.json": CONFIG,
         "/sql/adapter_model.safetensors": WEIGHTS,
+        "/sql/tokenizer.json": b"{}",  # optional files are fetched when the source has them
         "/endless/adapter_config.json": CONFIG,
         "/half/adapter_config.json": CONFIG,
     }
@@ -113,6 +119,11 @@ def test_http_sources_from_allowed_hosts_with_limits(tmp_path: Path, http_server
     got = fetch(f"http://{http_server}/sql/", tmp_path / "ok", policy)
     assert (got / "adapter_config.json").read_bytes() == CONFIG
     assert (got / "adapter_model.safetensors").read_bytes() == WEIGHTS
+    assert sorted(p.name for p in got.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+    ]
     cases = {
         f"http://{http_server}/sql": None,  # fine without the trailing slash too
         f"http://localhost:{http_server.split(':')[1]}/sql": "not an allowed source host",
@@ -158,6 +169,7 @@ def test_s3_sources_from_allowed_buckets(tmp_path: Path, s3_server: str) -> None
     fs.mkdir("adapters")
     fs.pipe("adapters/sql/adapter_config.json", CONFIG)
     fs.pipe("adapters/sql/adapter_model.safetensors", WEIGHTS)
+    fs.pipe("adapters/sql/loraplex.json", b'{"base_revision": "declared:x"}')
     fs.pipe("adapters/big/adapter_config.json", CONFIG)
     fs.pipe("adapters/big/adapter_model.safetensors", b"\x00" * (3 << 20))
     fs.mkdir("private")
@@ -165,6 +177,7 @@ def test_s3_sources_from_allowed_buckets(tmp_path: Path, s3_server: str) -> None
     policy = SourcePolicy(buckets=("adapters",), s3_endpoint=s3_server, max_file_bytes=2 << 20)
     got = fetch("s3://adapters/sql", tmp_path / "ok", policy)
     assert (got / "adapter_model.safetensors").read_bytes() == WEIGHTS
+    assert (got / "loraplex.json").is_file() and not (got / "tokenizer.json").exists()
     cases = {
         "s3://private/sql": "not an allowed source bucket",
         "s3://adapters/missing": "not found",

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers.admin_server import admin, admin_server, demo_traffic
+from helpers.admin_server import MODEL, admin, admin_server, demo_traffic
 from safetensors.torch import load_file, save_file
 
 from loraplex.adapters.registry_db import adapters
@@ -64,6 +64,13 @@ def _bad_adapters(root: Path, outside: Path, sentinel: Path) -> list[tuple[str, 
     _variant(root, "rank", {"r": 4096, "lora_alpha": 8})
     shutil.copytree(root / "reverse", outside / "escaped")
     os.symlink(outside / "escaped", root / "link")
+    other_base = _variant(root, "other-base")
+    (other_base / "loraplex.json").write_text(json.dumps({"base_revision": "sha256:" + "0" * 64}))
+    vocab = json.loads((Path(MODEL) / "tokenizer.json").read_text())
+    first = next(iter(vocab["model"]["vocab"]))
+    vocab["model"]["vocab"]["renamed-token"] = vocab["model"]["vocab"].pop(first)
+    (_variant(root, "other-vocab") / "tokenizer.json").write_text(json.dumps(vocab))
+    (_variant(root, "bare-vocab") / "vocab.json").write_text("{}")
     return [
         ("pickled", str(pickled), WEIGHTS),
         ("truncated", str(truncated), "not a valid safetensors file"),
@@ -79,6 +86,9 @@ def _bad_adapters(root: Path, outside: Path, sentinel: Path) -> list[tuple[str, 
         ("url", "http://203.0.113.9/adapter", "not an allowed source host"),
         ("s3", "s3://bucket/adapter", "not an allowed"),
         ("bad@name", str(root / "upper"), "invalid adapter name"),
+        ("other-base", str(other_base), "base model mismatch"),
+        ("other-vocab", str(root / "other-vocab"), "tokenizer mismatch"),
+        ("bare-vocab", str(root / "bare-vocab"), "no tokenizer.json"),
     ]
 
 
@@ -111,3 +121,24 @@ def test_concurrent_registration_of_one_name(monkeypatch: pytest.MonkeyPatch, tm
         assert sorted(a.status_code for a in answers) == [200, 200, 200, 201]
         assert len({a.json()["revision"] for a in answers}) == 1
         assert server.control.db.count(adapters) == before + 1
+
+
+def test_adapter_shipping_the_base_tokenizer_and_revision_registers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The same vocabulary and the served base revision pass; the manifest records the base (its
+    id, revision and vocabulary hash), and the revision is the plain adapter's (the tokenizer file
+    and loraplex.json are provenance, not content)."""
+    with admin_server(monkeypatch, tmp_path) as (base, server, root):
+        ident = server.control.base
+        shipped = _variant(root, "shipped")
+        shutil.copy(Path(MODEL) / "tokenizer.json", shipped / "tokenizer.json")
+        (shipped / "loraplex.json").write_text(json.dumps({"base_revision": ident.revision}))
+        out = admin("POST", base, "/adapters", json={"name": "shipped", "source": str(shipped)})
+        assert out.status_code == 201, out.text
+        manifest = out.json()["manifest"]
+        assert manifest["base_revision"] == ident.revision and ident.revision.startswith("sha256:")
+        assert manifest["tokenizer_hash"] == ident.vocab_hash and manifest["base_model_id"]
+        assert "tokenizer.json" in out.json()["provenance"]["files"]
+        reverse = next(r for r in server.control.db.list_adapters() if r.name == "reverse")
+        assert out.json()["revision"] == reverse.revision

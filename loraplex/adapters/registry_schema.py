@@ -1,0 +1,102 @@
+"""The persistent registry's tables, in portable SQLAlchemy Core (SQLite and PostgreSQL).
+
+Every string column has a length; SQLite ignores it, PostgreSQL refuses a longer value, so the
+registry clips what it writes into free-text columns (`fit`) instead of failing on PostgreSQL
+only. `registry_db.py` reads and writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import (
+    JSON,
+    Column,
+    DateTime,
+    ForeignKey,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+)
+from sqlalchemy.engine import Connection
+
+SCHEMA_VERSION = 1
+STATES = ("active", "draining", "retired")
+VISIBILITIES = ("private", "shared")
+ROLES = ("data", "admin")
+DEFAULT_TENANT = "default"
+
+metadata = MetaData()
+
+schema_info = Table("schema_info", metadata, Column("version", Integer, nullable=False))
+
+tenants = Table(
+    "tenants",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("quotas", JSON, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+
+adapters = Table(
+    "adapters",
+    metadata,
+    Column("name", String(128), nullable=False),
+    Column("revision", String(64), nullable=False),
+    Column("manifest", JSON, nullable=False),
+    Column("provenance", JSON, nullable=False),
+    Column("tenant", String(128), ForeignKey("tenants.name"), nullable=False),
+    Column("visibility", String(16), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("created_by", String(128), nullable=False),
+    PrimaryKeyConstraint("name", "revision"),
+)
+
+aliases = Table(
+    "aliases",
+    metadata,
+    Column("alias", String(256), primary_key=True),
+    Column("name", String(128), nullable=False),
+    Column("revision", String(64), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+    Column("updated_by", String(128), nullable=False),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("key_hash", String(64), primary_key=True),
+    Column("role", String(8), nullable=False),
+    Column("tenant", String(128), ForeignKey("tenants.name"), nullable=False),
+    Column("label", String(256), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("revoked_at", DateTime(timezone=True), nullable=True),
+)
+
+audit_log = Table(
+    "audit_log",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", DateTime(timezone=True), nullable=False),
+    Column("principal", String(128), nullable=False),
+    Column("action", String(64), nullable=False),
+    Column("target", String(512), nullable=False),
+    Column("result", String(16), nullable=False),  # ok | exists | refused
+    Column("reason", String(2048), nullable=True),
+)
+
+# version -> the step that brings a database of that version to the next one
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+
+
+def fit(text: str, column: Column[str]) -> str:
+    """`text` within `column`'s length: the head and the tail kept (a principal's key id is at its
+    end), the middle marked as cut."""
+    limit = getattr(column.type, "length", None)
+    if limit is None or len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return f"{text[:head]}...{text[len(text) - (limit - 3 - head) :]}"
