@@ -60,7 +60,8 @@ class GraphKey:
 class _StaticInputs:
     """Device buffers of one bucket (plus pinned host twins), and the metadata views over them.
 
-    int64 buffer: ids [B] | positions [B] | KV slots [B] | the LoRA inputs' words; int32 buffer:
+    int64 buffer: ids [B] | positions [B] | KV slots [B] | (a pad word for odd B) | the LoRA
+    inputs' words; int32 buffer:
     context lens [B] | query_start [B + 1] | block table [B, W].
     """
 
@@ -76,7 +77,8 @@ class _StaticInputs:
         b = batch
         self.batch, self.width = b, width
         pin = device.type == "cuda"
-        self.host64 = torch.zeros(3 * b + LoRAGraphInputs.words(b), dtype=torch.int64, pin_memory=pin)
+        lora_at = 3 * b + (b & 1)  # an even word: the LoRA inputs' views stay 16-byte aligned
+        self.host64 = torch.zeros(lora_at + LoRAGraphInputs.words(b), dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(2 * b + 1 + b * width, dtype=torch.int32, pin_memory=pin)
         self.h64 = self.host64.numpy()
         self.h32 = self.host32.numpy()
@@ -101,7 +103,7 @@ class _StaticInputs:
             num_decode_seqs=b,
             static=True,
         )
-        self.lora = LoRAGraphInputs(b, self.h64[3 * b :], d64[3 * b :], lora_table, lora_backend)
+        self.lora = LoRAGraphInputs(b, self.h64[lora_at:], d64[lora_at:], lora_table, lora_backend)
         # Float32 logits [B, V], the output of every graph of this bucket. One per graph would
         # cost B * V * 4 bytes each (33 MB at B = 64 for a 128k vocabulary, 131 MB at B = 256)
         # for every LoRA segment capacity and rank tile the bucket meets, after the KV cache was

@@ -35,11 +35,17 @@ class LoRAGraphKey(NamedTuple):
 
 
 class LoRAGraphInputs:
-    """One batch bucket's static LoRA inputs: row_perm [B] | seg_slots [B] | seg_offsets [B + 1]."""
+    """One batch bucket's static LoRA inputs: row_perm [B] | seg_slots [B] | seg_offsets [B + 1],
+    each starting at an even word (16-byte aligned when the buffer is: the kernels specialize on
+    pointer alignment, and every bucket should compile the same variants)."""
 
     @staticmethod
-    def words(batch: int) -> int:
-        return 3 * batch + 1
+    def _stride(batch: int) -> int:
+        return batch + (batch & 1)
+
+    @classmethod
+    def words(cls, batch: int) -> int:
+        return 2 * cls._stride(batch) + batch + 1
 
     def __init__(
         self,
@@ -55,9 +61,10 @@ class LoRAGraphInputs:
         self.table = table
         self.backend = backend
         self._host = host
+        self._slots_at = st = self._stride(b)
         self._row_perm = device_words[:b]
-        self._seg_slots = device_words[b : 2 * b]
-        self._seg_offsets = device_words[2 * b :]
+        self._seg_slots = device_words[st : st + b]
+        self._seg_offsets = device_words[2 * st :]
 
     def pack(self, row_slots: list[int]) -> tuple[LoRAGraphKey | None, int]:
         """Write a step's LoRA rows into the host buffer (uploaded with the runner's other inputs).
@@ -100,8 +107,8 @@ class LoRAGraphInputs:
         )
 
     def _write(self, segments: list[tuple[int, list[int]]], cap: int, null_slot: int) -> None:
-        b, h = self.batch, self._host
-        perm, slots, offsets = 0, b, 2 * b
+        h, st = self._host, self._slots_at
+        perm, slots, offsets = 0, st, 2 * st
         pos = 0
         h[offsets] = 0
         for s, (slot, rows) in enumerate(segments):

@@ -132,13 +132,19 @@ class LoRABatchMetadata:
             slots.append(slot)
             active |= table.groups_of(slot)
         dev = torch.device(device)
-        packed = to_device(perm + offsets + slots, torch.int64, dev)  # one copy for the three
+        # One copy for the three, each starting 16-byte aligned (an even int64 index): the kernels
+        # specialize on pointer alignment, so views at odd offsets would compile other variants.
         n, s = len(perm), len(slots)
+        o_at = n + (n & 1)
+        s_at = o_at + s + 1 + ((s + 1) & 1)
+        packed = to_device(
+            perm + [0] * (o_at - n) + offsets + [0] * (s_at - o_at - s - 1) + slots, torch.int64, dev
+        )
         return cls(
             num_rows=num_rows,
             row_perm=packed[:n],
-            seg_offsets=packed[n : n + s + 1],
-            seg_slots=packed[n + s + 1 :],
+            seg_offsets=packed[o_at : o_at + s + 1],
+            seg_slots=packed[s_at : s_at + s],
             seg_offsets_host=tuple(offsets),
             seg_slots_host=tuple(slots),
             active_groups=frozenset(active),
