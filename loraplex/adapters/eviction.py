@@ -57,6 +57,11 @@ class TenantLimits:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        budget = self.device_budget_bytes
+        if budget is not None and self.guaranteed_bytes > budget:
+            raise ValueError(
+                f"guaranteed_bytes {self.guaranteed_bytes} exceed the device budget of {budget} bytes"
+            )
         if self.cold_load_burst_bytes is not None and self.cold_load_burst_bytes <= 0:
             raise ValueError(f"cold_load_burst_bytes must be > 0, got {self.cold_load_burst_bytes}")
 

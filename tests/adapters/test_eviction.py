@@ -184,6 +184,10 @@ def test_cold_load_rate_limit_is_a_token_bucket() -> None:
         ({"priority": 0.0}, "tenant priority must be > 0, got 0.0"),
         ({"guaranteed_bytes": -1}, "guaranteed_bytes must be >= 0, got -1"),
         ({"cold_load_burst_bytes": 0}, "cold_load_burst_bytes must be > 0, got 0"),
+        (
+            {"guaranteed_bytes": 3, "device_budget_bytes": 2},
+            "guaranteed_bytes 3 exceed the device budget of 2 bytes",
+        ),
     ],
 )
 def test_limits_are_validated(kwargs: dict[str, Any], message: str) -> None:
