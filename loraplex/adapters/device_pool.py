@@ -109,6 +109,19 @@ class AdapterPool:
     def largest_free_extent(self) -> int:
         return max((size for _, size in self._holes()), default=0)
 
+    def stats(self) -> dict[str, int]:
+        """The pool's numbers, for metrics: counts and bytes."""
+        return {
+            "adapters": len(self._extents),
+            "budget_bytes": self.budget_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "used_bytes": self.used_bytes,
+            "free_bytes": self.free_bytes,
+            "largest_free_extent": self.largest_free_extent,
+            "compactions": self.compactions,
+            "bytes_moved": self.bytes_moved,
+        }
+
     def fits(self, nbytes: int) -> bool:
         """Whether an adapter of footprint `nbytes` can be placed now (moving others if need be,
         none of them fixed)."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from loraplex.adapters.device_pool import ALIGN, AdapterPool, PoolFullError
+from loraplex.lora.triton_table import _kernel_ready
 from loraplex.lora.weights import AdapterWeights, LoRAPair
 
 # (d_in, d_out) per target: mixed widths, one (36) whose rows are not a multiple of 16 bytes in fp16
@@ -37,6 +38,7 @@ def _check_views(pool: AdapterPool, placed: AdapterWeights, ref: AdapterWeights)
     for key, pair in placed.pairs.items():
         for view, src in ((pair.a, ref.pairs[key].a), (pair.b, ref.pairs[key].b)):
             assert view.is_contiguous() and view.data_ptr() % ALIGN == 0
+            assert _kernel_ready(view) is view  # the kernels' tables address the pool itself, no copy
             assert view.untyped_storage().data_ptr() == pool.buffer.untyped_storage().data_ptr()
             assert torch.equal(view, src.to(pool.dtype))
         assert pair.scale == ref.pairs[key].scale
@@ -51,6 +53,9 @@ def test_place_copies_exact_ranks_into_aligned_views() -> None:
     assert pool.allocated_bytes == pool.footprint(w) == pool.allocated_of("a") > pool.used_bytes
     assert pool.allocated_bytes / pool.used_bytes <= 1.05
     assert pool.free_bytes == pool.budget_bytes - pool.allocated_bytes
+    stats = pool.stats()
+    assert stats["adapters"] == 1 and stats["allocated_bytes"] == pool.allocated_bytes
+    assert stats["largest_free_extent"] == stats["free_bytes"] and stats["compactions"] == 0
     assert pool.weights("a").pairs[(0, "q")].a.data_ptr() == placed.pairs[(0, "q")].a.data_ptr()
     with pytest.raises(ValueError, match="already in the pool"):
         pool.place("a", w)
@@ -58,6 +63,14 @@ def test_place_copies_exact_ranks_into_aligned_views() -> None:
     pool.free("a")  # absent: a no-op
     assert (pool.allocated_bytes, pool.used_bytes, len(pool)) == (0, 0, 0)
     pool.check_integrity()
+
+
+def test_pool_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="adapter pool budget 8 bytes is below one 16-byte unit"):
+        AdapterPool(8, torch.float16, "cpu")
+    with pytest.raises(ValueError, match="adapter pool dtype must be a floating type, got torch.int8"):
+        AdapterPool(1024, torch.int8, "cpu")
+    assert AdapterPool(1000, torch.bfloat16, "cpu").budget_bytes == 992  # whole 16-byte units
 
 
 def test_malformed_weights_change_nothing() -> None:
