@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -197,3 +198,62 @@ def test_limits_are_validated(kwargs: dict[str, Any], message: str) -> None:
         EvictionConfig(frequency_half_life=0)
     with pytest.raises(ValueError, match="needs a cost >= 0 for the disk tier, got None"):
         EvictionConfig(reload_cost_per_byte={Tier.HOST: 1.0})
+
+
+def test_random_choices_keep_every_rule() -> None:
+    """Seeded random pools: a choice frees enough, spares protected adapters and other tenants'
+    guarantees, keeps the requester within its budget, and holds no victim it could put back."""
+    rng = random.Random(18)
+    tenants = ["a", "b", "c"]
+    for trial in range(300):
+        limits = {
+            t: TenantLimits(
+                priority=rng.choice([0.5, 1.0, 4.0]),
+                guaranteed_bytes=rng.choice([0, 2 * MB, 4 * MB]),
+                device_budget_bytes=rng.choice([None, 6 * MB, 12 * MB]),
+            )
+            for t in tenants
+        }
+        policy = EvictionPolicy(EvictionConfig(tenants=limits))
+        resident = [
+            _c(
+                f"{t}{i}",
+                t,
+                rng.randint(1, 4) * MB // 2,
+                rng.choice(list(Tier)),
+                references=int(rng.random() < 0.15),
+            )
+            for t in tenants
+            for i in range(rng.randint(0, 6))
+        ]
+        resident = [c if rng.random() > 0.15 else replace(c, queued=1) for c in resident]
+        for c in resident:
+            for _ in range(rng.randint(0, 3)):
+                policy.touch(c.id, rng.uniform(0, 100))
+        requester, incoming = rng.choice(tenants), rng.randint(1, 6) * MB // 2
+        free = rng.randint(0, 4) * MB // 2
+        choice = policy.choose_victims(incoming, free, resident, requester, now=100.0)
+        if not choice.ok:
+            assert choice.victims == () and choice.refusal
+            continue
+        by_id = {c.id: c for c in resident}
+        victims = [by_id[v] for v in choice.victims]
+        assert all(v.references == 0 and v.queued == 0 for v in victims), trial
+        assert choice.freed_bytes == sum(v.nbytes for v in victims) >= incoming - free
+        kept = [c for c in resident if c.id not in choice.victims]
+        for t in tenants:
+            before = sum(c.nbytes for c in resident if c.tenant == t)
+            after = sum(c.nbytes for c in kept if c.tenant == t)
+            if t != requester and after < before:
+                assert after >= limits[t].guaranteed_bytes, trial
+        budget = limits[requester].device_budget_bytes
+        if budget is not None:
+            assert sum(c.nbytes for c in kept if c.tenant == requester) + incoming <= budget, trial
+        for v in victims:  # minimal: none could be put back
+            rest = [w for w in victims if w is not v]
+            own = sum(c.nbytes for c in kept if c.tenant == requester) + (
+                v.nbytes if v.tenant == requester else 0
+            )
+            fits_pool = sum(w.nbytes for w in rest) >= incoming - free
+            fits_budget = budget is None or own + incoming <= budget
+            assert not (fits_pool and fits_budget), trial
