@@ -6,7 +6,7 @@
 # only a few files), they are also packed into $OUT/engine-gpu-check.tgz, and the short summary,
 # printed last, is copied to $OUT/summary.txt. Each part is time-boxed so a
 # hung kernel cannot eat the call (about 6-7 minutes on an H200 in all).
-# Bench engine args such as --also "in-place" follow. NCU=1 adds an Nsight Compute pass over the
+# Bench engine args such as --steps 30 follow. NCU=1 adds an Nsight Compute pass over the
 # decode target layer (ncu-short.txt); TIMELINE=1 a profiler timeline of the decode layers'
 # launches (timeline.txt).
 #   usage: [SKIP_TESTS=1] [SKIP_ENGINE=1] [SKIP_KERNELS=1] [TESTS="tests/engine ..."] \
