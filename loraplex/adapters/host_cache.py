@@ -47,6 +47,9 @@ class HostCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def revisions(self) -> list[str]:
+        return list(self._entries)
+
     def host_copy(self, weights: AdapterWeights) -> AdapterWeights:
         """`weights` as this tier stores them: CPU, the engine's dtype, contiguous, owned storage
         (never a view of the device pool, whose bytes move), pinned when asked."""

@@ -105,6 +105,7 @@ class AdapterTiers:
         self._failed: dict[str, str] = {}  # revision -> why its last load failed
         self._executor: ThreadPoolExecutor | None = None
         self.counts: Counter[str] = Counter()  # hits per tier, loads, evictions, stalls
+        self.events = 0  # bumped on every change to what `stats` reports: metrics refresh on change
 
     # --- registration ----------------------------------------------------------------------------
 
@@ -114,6 +115,7 @@ class AdapterTiers:
         self._tenant[revision] = tenant
         self._failed.pop(revision, None)
         copy = self.host.put(revision, weights, keep=self.source is None)
+        self.events += 1
         if revision not in self._loading and self.pool.free_bytes >= self.pool.footprint(copy):
             self.residency.load(revision, copy)
         return copy
@@ -122,6 +124,7 @@ class AdapterTiers:
         """A retired revision nobody holds: free its device room and host copy, forget it."""
         self.residency.evict(revision)
         self.host.drop(revision)
+        self.events += 1
         self._ready.pop(revision, None)
         self._tenant.pop(revision, None)
         self.policy.forget(revision)
@@ -143,6 +146,7 @@ class AdapterTiers:
                     f"revision {revision[:12]} is not resident and there is no store to load it from"
                 )
         self.counts[f"{tier}_hits"] += 1
+        self.events += 1
         if tier != "device":
             self.counts["stalled"] += 1
             self._start(revision)
@@ -175,7 +179,8 @@ class AdapterTiers:
 
     @property
     def busy(self) -> bool:
-        return bool(self._loading or self._ready)
+        """Loads in flight or waiting for room, or failures the engine has yet to report."""
+        return bool(self._loading or self._ready or self._failed)
 
     def poll(self) -> None:
         """Place every finished load that has room (evicting by policy); on the step thread."""
@@ -190,6 +195,7 @@ class AdapterTiers:
             except Exception as err:  # the store's message names the file and the problem
                 self._failed[revision] = str(err)
                 self.counts["load_failures"] += 1
+                self.events += 1
                 continue
             self.counts["disk_loads"] += 1
             # Fetched weights enter the host tier (unkept: the store has them), so the next eviction
@@ -219,6 +225,7 @@ class AdapterTiers:
             return False
         self.residency.load(revision, weights)
         self.counts["loads"] += 1
+        self.events += 1
         return True
 
     def _make_room(self, revision: str, size: int) -> bool:
@@ -253,6 +260,7 @@ class AdapterTiers:
                 self.host.put(victim, self.residency.weights(victim))
             self.residency.evict(victim)
             self.counts["evictions"] += 1
+            self.events += 1
         return True
 
     # --- visibility ------------------------------------------------------------------------------
@@ -262,6 +270,7 @@ class AdapterTiers:
         return {
             "device": {**device, "hits": self.counts["device_hits"]},
             "host": self.host.stats(),
+            "host_admissions": self.counts["host_hits"],
             "disk": {"hits": self.counts["disk_hits"], "loads": self.counts["disk_loads"]},
             "loads": self.counts["loads"],
             "evictions": self.counts["evictions"],
@@ -271,8 +280,12 @@ class AdapterTiers:
         }
 
     def where(self) -> dict[str, list[str]]:
-        """Which revisions are in which tier now (a revision may be in both)."""
-        return {"device": sorted(self.residency.resident_revisions()), "host": sorted(self.host._entries)}
+        """Which revisions are in which tier now (a revision may be in both), and which are loading."""
+        return {
+            "device": sorted(self.residency.resident_revisions()),
+            "host": sorted(self.host.revisions()),
+            "loading": sorted({*self._loading, *self._ready}),
+        }
 
     def close(self) -> None:
         if self._executor is not None:
