@@ -242,3 +242,17 @@ def test_hot_swap_mid_decode(env: dict) -> None:
     assert e.output("new").token_ids == want_new
     assert not e.residency.is_resident(old.revision)  # drained and dropped
     assert AdapterRef("a0", new.revision) == new
+
+
+def test_budget_flags_reach_the_config() -> None:
+    import argparse
+
+    from loraplex.config_cli import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--adapter-device-bytes", "4096", "--adapter-host-bytes", "0"])
+    lora = engine_config_from_args("m", args).lora
+    assert (lora.adapter_device_bytes, lora.adapter_host_bytes) == (4096, 0)
+    with pytest.raises(ValueError, match="adapter_device_bytes"):
+        engine_config_from_args("m", parser.parse_args(["--adapter-device-bytes", "8"]))
