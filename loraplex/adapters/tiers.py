@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -204,6 +204,12 @@ class AdapterTiers:
         for revision in list(self._ready):
             if self._place(revision, self._ready[revision]):
                 del self._ready[revision]
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` seconds for a background load to finish: a step with nothing to run
+        but loads in flight waits here instead of spinning against the loader thread."""
+        if self._loading:
+            wait(list(self._loading.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
     def take_failures(self) -> dict[str, str]:
         """Revisions whose load failed since the last call, with why (cleared, so a later request

@@ -288,6 +288,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             self.last_stats = None
+            if self.tiers.busy:
+                self.tiers.wait(0.002)  # only loads to wait for: let the loader thread run
             return failed
         calls_before = self.lora_backend.total_calls
         # The step's slot map, its slots pinned while it runs (only scheduled sequences pin).
