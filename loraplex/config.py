@@ -206,12 +206,22 @@ class LoRAConfig:
     # Adapters the device tables hold before they must be reallocated, which makes every
     # captured decode graph be captured again (more still work, at that one-time cost).
     max_resident: int = 64
+    # Byte budgets of the adapter tiers (flags --adapter-device-bytes / --adapter-host-bytes). The
+    # device pool is preallocated at startup (host memory on the CPU); None: 1 GiB on the CPU, a
+    # quarter of the GPU memory free after the model and KV cache on CUDA. The host cache holds
+    # adapters evicted from the device or read from the store; None: 4 GiB.
+    adapter_device_bytes: int | None = None
+    adapter_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_rank <= 0:
             raise ValueError("max_rank must be positive")
         if self.max_resident <= 0:
             raise ValueError("max_resident must be positive")
+        if self.adapter_device_bytes is not None and self.adapter_device_bytes < 16:
+            raise ValueError(f"adapter_device_bytes must be at least 16, got {self.adapter_device_bytes}")
+        if self.adapter_host_bytes is not None and self.adapter_host_bytes < 0:
+            raise ValueError(f"adapter_host_bytes must be >= 0, got {self.adapter_host_bytes}")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ class LLM:
         max_model_len: int | None = None,
         cuda_graph_max_batch: int = 256,
         progress: bool = False,
+        adapter_device_bytes: int | None = None,
+        adapter_host_bytes: int | None = None,
     ) -> None:
         config = EngineConfig(
             model_dir=str(model),
@@ -42,7 +44,11 @@ class LLM:
             device=device,
             seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, max_model_len=max_model_len),
-            lora=LoRAConfig(max_rank=max_lora_rank),
+            lora=LoRAConfig(
+                max_rank=max_lora_rank,
+                adapter_device_bytes=adapter_device_bytes,
+                adapter_host_bytes=adapter_host_bytes,
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),

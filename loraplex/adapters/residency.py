@@ -3,9 +3,14 @@
 The only code that writes weights into the LoRA slot table or frees a slot. Identity (names,
 revisions, request holds) is the registry's; this module knows revisions only.
 
-- A revision is *resident* (its weights sit in a slot) or *pending* (known, not loaded). Today
-  every registered revision is loaded at registration; `ensure` is where loading on demand goes
-  once there are tiers to load from.
+- A revision is *resident* (its weights sit in a slot) or *pending* (known, not loaded). Loading
+  on demand, the host tier and the choice of victims are `tiers.py`'s; this module only places
+  and frees.
+- With an `AdapterPool` (the device tier), `load` copies the weights into the pool and the slot
+  table holds views into it. When a placement compacts the pool, the moved adapters' table
+  entries are re-pointed at their new views under the same slot ids (the table's version bump
+  makes the device tables refresh in place, so captured decode graphs stay valid) and their
+  generations bump. Without a pool each adapter is its own allocation (tests of this module).
 - A registry **hold** lasts from a request's admission to its finish. A slot **pin** lasts one
   step: `step_slots` pins the slots of the sequences scheduled in the step and `end_step`
   unpins them. Only a pinned slot is protected here, so queued requests cost no slot; the caller
@@ -25,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from loraplex.adapters.device_pool import AdapterPool
 from loraplex.lora.metadata import BASE_SLOT
 from loraplex.lora.weights import AdapterWeights, LoRASlotTable
 from loraplex.types import AdapterRef
@@ -64,8 +70,15 @@ class StaleSlotError(RuntimeError):
 
 
 class AdapterResidency:
-    def __init__(self, table: LoRASlotTable, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        table: LoRASlotTable,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        pool: AdapterPool | None = None,
+    ) -> None:
         self.table = table
+        self.pool = pool
         self.dtype = dtype
         self.device = device
         self._slot_of: dict[str, int] = {}  # revision -> slot, resident revisions only
@@ -86,7 +99,17 @@ class AdapterResidency:
         slot = self._slot_of.get(revision)
         if slot is not None:
             return self._facts[slot]
-        on_device = weights.to(self.device, self.dtype)  # before any bookkeeping: a failure changes nothing
+        if self.pool is None:
+            # before any bookkeeping: a failure changes nothing
+            on_device = weights.to(self.device, self.dtype)
+        else:
+            # PoolFullError leaves everything as it was. The pinned slots' adapters stay put: the
+            # running step's kernels may be reading them.
+            pinned = [r for r, s in self._slot_of.items() if s in self._pinned] if self._pinned else ()
+            placement = self.pool.place(revision, weights, fixed=pinned)
+            on_device = placement.weights
+            for moved, moved_weights in placement.moved.items():
+                self._repoint(moved, moved_weights)
         slot = self._take_slot()
         generation = self._generation.get(slot, -1) + 1
         self.table.set(slot, on_device)
@@ -107,11 +130,31 @@ class AdapterResidency:
             raise SlotInUseError(f"slot {slot} of revision {revision[:12]} is pinned by the running step")
         del self._slot_of[revision]
         self.version += 1
+        if self.pool is not None:
+            self.pool.free(revision)
         del self._facts[slot]
         self._generation[slot] += 1
         self.table.clear(slot)
         self._free.append(slot)
         self._free.sort(reverse=True)
+
+    def _repoint(self, revision: str, weights: AdapterWeights) -> None:
+        """A compaction moved `revision`'s weights: same slot, new views, next generation (a step
+        map built before the move is stale)."""
+        slot = self._slot_of[revision]
+        generation = self._generation[slot] + 1
+        self._generation[slot] = generation
+        old = self._facts[slot]
+        self._facts[slot] = SlotFacts(slot, generation, old.ranks, old.groups, old.max_rank, old.nbytes)
+        self.table.set(slot, weights)
+        self.version += 1
+
+    def weights(self, revision: str) -> AdapterWeights:
+        """A resident revision's weights as the kernels read them (views into the pool)."""
+        return self.table.weights(self._slot_of[revision])
+
+    def resident_revisions(self) -> list[str]:
+        return list(self._slot_of)
 
     def _take_slot(self) -> int:
         if self._free:
@@ -124,6 +167,9 @@ class AdapterResidency:
 
     def state(self, revision: str) -> Residency:
         return Residency.RESIDENT if revision in self._slot_of else Residency.PENDING
+
+    def is_resident(self, revision: str) -> bool:
+        return revision in self._slot_of
 
     def ensure(self, revision: str) -> Residency:
         """Start making `revision` resident; returns its state now. Every registered revision is

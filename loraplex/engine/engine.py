@@ -28,8 +28,9 @@ from loraplex.adapters.base_identity import (
 )
 from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
 from loraplex.adapters.registry import DEFAULT_TENANT, AdapterRegistry, check_adapter_name
-from loraplex.adapters.residency import AdapterResidency, StepSlots
+from loraplex.adapters.residency import StepSlots
 from loraplex.adapters.revision import adapter_revision
+from loraplex.adapters.tiers import build_tiers
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.model_runner import ForwardResult, ModelRunner
@@ -112,9 +113,11 @@ class Engine:
         if self.device.type == "cuda":
             kernel_compiles.install()
         self.adapters = AdapterRegistry()  # which revisions exist, and who holds them
-        self.residency = AdapterResidency(self.lora_table, dtype, self.device)  # where their weights are
+        # Where their weights are: device pool and host tier, loaded on demand.
+        self.tiers = build_tiers(self.lora_table, self.device, config.lora, self._demand)
+        self.residency = self.tiers.residency
         self._last_slot_map: tuple[tuple[ScheduledChunk, ...], int, StepSlots] | None = None
-        self.scheduler = Scheduler(config.scheduler, self.pool, block_size)
+        self.scheduler = Scheduler(config.scheduler, self.pool, block_size, self._adapter_ready)
         self.runner = ModelRunner(
             self.model, self.kv, self.lora_table, self.lora_backend, self.device, self._static_decode(config)
         )
@@ -177,9 +180,9 @@ class Engine:
         revision = revision or adapter_revision(imported)
         if self.adapters.is_retired(AdapterRef(name, revision)):  # before loading: nothing changes
             raise ValueError(f"{name}@{revision[:12]} is retired; a retired revision stays retired")
-        facts = self.residency.load(revision, imported.weights)
+        weights = self.tiers.register(revision, imported.weights, tenant)
         return self.adapters.add(
-            name, revision, facts.max_rank, facts.nbytes, imported.manifest, tenant, visibility
+            name, revision, weights.max_rank, weights.nbytes, imported.manifest, tenant, visibility
         )
 
     def retire_adapter(self, ref: AdapterRef) -> None:
@@ -192,7 +195,7 @@ class Engine:
         """No request holds the retired `ref` any more: free its slot unless another name still
         serves the same content, and tell the server (which records the retirement)."""
         if not self.adapters.in_service(ref.revision):
-            self.residency.evict(ref.revision)
+            self.tiers.drop(ref.revision)
         if self.on_adapter_drained is not None:
             self.on_adapter_drained(ref)
 
@@ -225,7 +228,7 @@ class Engine:
         ref = self.adapters.acquire(adapter)
         if ref is not None:
             try:
-                self.residency.ensure(ref.revision)
+                self.tiers.admit(ref.revision)
             except Exception:
                 self.adapters.release(ref)
                 raise
@@ -278,10 +281,16 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        failed: list[RequestDelta] = []
+        if self.tiers.busy:  # place finished adapter loads, between steps (no slot is pinned)
+            self.tiers.poll()
+            failed = self._fail_loads(self.tiers.take_failures())
         plan = self.scheduler.schedule()
         if not plan.chunks:
             self.last_stats = None
-            return []
+            if self.tiers.busy:
+                self.tiers.wait(0.002)  # only loads to wait for: let the loader thread run
+            return failed
         calls_before = self.lora_backend.total_calls
         # The step's slot map, its slots pinned while it runs (only scheduled sequences pin).
         slots = self.slot_map(plan)
@@ -291,6 +300,8 @@ class Engine:
         finally:
             self.residency.end_step()
         deltas = self._postprocess(plan, result)
+        if failed:
+            deltas = failed + deltas
         self.last_stats = StepStats.of(
             plan,
             result.num_adapters,
@@ -375,6 +386,28 @@ class Engine:
         dicts = logprob_dicts(lps, actual, [s.params.prompt_logprobs for s in seqs])
         for seq, d in zip(seqs, dicts, strict=True):
             seq.prompt_logprobs.append(d)
+
+    def _fail_loads(self, failures: dict[str, str]) -> list[RequestDelta]:
+        """Abort the waiting requests whose adapter could not be loaded (the store lost it, or it
+        outgrows the device budget); the reason goes to stderr, the request ends as aborted."""
+        if not failures:
+            return []
+        doomed = [s for s in self.scheduler.waiting if s.adapter and s.adapter.revision in failures]
+        for revision, why in failures.items():
+            print(f"adapter revision {revision[:12]} failed to load: {why}", file=sys.stderr)
+        for seq in doomed:
+            seq.finish_reason = "abort"
+            self._finish(seq)
+        return [RequestDelta(s.request_id, [], True, "abort") for s in doomed]
+
+    def _demand(self) -> tuple[list[AdapterRef | None], list[AdapterRef | None]]:
+        """The adapters of the running and of the waiting sequences (for choosing victims)."""
+        return [s.adapter for s in self.scheduler.running], [s.adapter for s in self.scheduler.waiting]
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        """The admission gate: a sequence runs once its adapter is device-resident (asking starts
+        the load; meanwhile the sequences behind it are admitted)."""
+        return seq.adapter is None or self.tiers.ready(seq.adapter.revision)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

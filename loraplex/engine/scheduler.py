@@ -4,13 +4,15 @@ Works on sequences and block ids only; the model runner turns its plan into tens
 running sequences first (in arrival order; a decoding sequence asks for one row, a sequence
 still prefilling for its next chunk), then waiting sequences in arrival order while the token
 budget, the sequence limit and the KV pool allow. A waiting sequence that does not fit blocks
-the ones behind it (strict FCFS). When a running sequence needs a block and none is free, the
-latest-arrived running sequence is preempted: its blocks are freed and it goes back to the
-waiting queue, to be recomputed from its prompt and generated tokens.
+the ones behind it (strict FCFS); one whose adapter is still loading is passed over. When a
+running sequence needs a block and none is free, the latest-arrived running sequence is
+preempted: its blocks are freed and it goes back to the waiting queue, to be recomputed from its
+prompt and generated tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraplex.config import SchedulerConfig
@@ -44,8 +46,17 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        block_size: int,
+        ready: Callable[[Sequence], bool] | None = None,
+    ) -> None:
         self.config = config
+        # The adapter gate: a waiting sequence is admitted only once `ready(seq)` (its adapter is
+        # device-resident); one that is not is passed over, not waited for, so it blocks nobody.
+        self.ready = ready
         self.pool = pool
         self.block_size = block_size
         self.waiting: list[Sequence] = []  # kept sorted by arrival
@@ -106,13 +117,18 @@ class Scheduler:
 
         # No admissions in a step that preempted: the pool is short, and the sequence just
         # preempted would otherwise be re-admitted at once to recompute a prefix it loses again.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        ready, waiting, i = self.ready, self.waiting, 0
+        max_seqs = self.config.max_num_seqs
+        while not preempted and i < len(waiting) and budget > 0 and len(self.running) < max_seqs:
+            seq = waiting[i]
+            if ready is not None and not ready(seq):
+                i += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             need = self.blocks_for(seq.num_computed + n) - len(seq.block_ids)
             if need > self.pool.num_free:
                 break
-            self.waiting.pop(0)
+            waiting.pop(i)
             seq.block_ids.extend(self.pool.allocate(need))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex.engine.engine import Engine
 from loraplex.server.admin_ops import AdminOps
 from loraplex.server.auth import Principal
 from loraplex.server.control import ControlService
@@ -56,6 +57,18 @@ class CreateKey(BaseModel):
     label: str = Field(default="", max_length=256)
 
 
+def residency_report(engine: Engine) -> dict[str, Any]:
+    """Each tier's numbers and which adapter revisions are where (by name@revision)."""
+    names: dict[str, list[str]] = {}
+    for entry in engine.adapters.list():
+        names.setdefault(entry.ref.revision, []).append(entry.ref.name)
+    where = {
+        tier: [{"revision": r, "names": sorted(names.get(r, []))} for r in revisions]
+        for tier, revisions in engine.tiers.where().items()
+    }
+    return {"tiers": engine.tiers.stats(), "adapters": where}
+
+
 def add_admin_routes(app: FastAPI, control: ControlService, max_json_depth: int) -> None:
     ops = AdminOps(control)
 
@@ -84,6 +97,11 @@ def add_admin_routes(app: FastAPI, control: ControlService, max_json_depth: int)
     @app.get(f"{PREFIX}/adapters")
     async def list_adapters(include_retired: bool = False) -> JSONResponse:
         return JSONResponse({"data": await read(lambda: ops.adapters(include_retired))})
+
+    @app.get(f"{PREFIX}/residency")
+    async def residency() -> JSONResponse:
+        # The tiers change on the engine thread: read them there, between steps.
+        return JSONResponse(await read(lambda: control.on_engine(residency_report)))
 
     @app.get(f"{PREFIX}/adapters/{{name}}")
     async def show_adapter(name: str) -> JSONResponse:

@@ -6,6 +6,7 @@ Each server owns its own registry, so several servers in one process (tests) nev
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -101,7 +102,31 @@ class ServerMetrics(StepObserver):
             ["status"],
             registry=r,
         )
+        by_tier = ["tier"]
+        self.tier_adapters = Gauge(
+            "loraplex_adapter_tier_adapters", "Adapters held per tier", by_tier, registry=r
+        )
+        self.tier_bytes = Gauge(
+            "loraplex_adapter_tier_bytes", "Bytes used per adapter tier", by_tier, registry=r
+        )
+        self.tier_budget = Gauge(
+            "loraplex_adapter_tier_budget_bytes", "Byte budget per adapter tier", by_tier, registry=r
+        )
+        self.tier_hits = Gauge(
+            "loraplex_adapter_tier_hits",
+            "Admitted requests by the tier their adapter was in",
+            by_tier,
+            registry=r,
+        )
+        self.adapter_events = Gauge(
+            "loraplex_adapter_residency_events",
+            "Adapter residency events so far: loads (onto the device), disk_loads, evictions, "
+            "load_failures, stalled_requests (admitted while their adapter was not on the device)",
+            ["event"],
+            registry=r,
+        )
         self._max_adapters = 0
+        self._tier_events = -1
 
     # --- StepObserver (called on the engine thread) ---------------------------------------------
 
@@ -142,6 +167,28 @@ class ServerMetrics(StepObserver):
         self.graph_captures.set(engine.graph_captures)
         self.kernel_compiles.set(engine.kernel_compiles)
         self.warmup_seconds.set(engine.warmup_s)
+        if engine.tiers.events != self._tier_events:  # only when residency changed: cheap per step
+            self._tier_events = engine.tiers.events
+            self._on_tiers(engine.tiers.stats())
+
+    def _on_tiers(self, stats: dict[str, Any]) -> None:
+        device, host, disk = stats["device"], stats["host"], stats["disk"]
+        for tier, adapters, used, budget in (
+            ("device", device["adapters"], device["allocated_bytes"], device["budget_bytes"]),
+            ("host", host["adapters"], host["used_bytes"], host["budget_bytes"]),
+        ):
+            self.tier_adapters.labels(tier).set(adapters)
+            self.tier_bytes.labels(tier).set(used)
+            self.tier_budget.labels(tier).set(budget)
+        for tier, hits in (
+            ("device", device["hits"]),
+            ("host", stats["host_admissions"]),
+            ("disk", disk["hits"]),
+        ):
+            self.tier_hits.labels(tier).set(hits)
+        for event in ("loads", "evictions", "load_failures", "stalled_requests"):
+            self.adapter_events.labels(event).set(stats[event])
+        self.adapter_events.labels("disk_loads").set(disk["loads"])
 
     def render(self, adapters: set[str] | None = None) -> bytes:
         """The text exposition; with `adapters`, only the per-adapter series of those names (and

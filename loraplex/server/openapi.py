@@ -46,6 +46,7 @@ _ROUTES: dict[str, dict[str, tuple[type[BaseModel] | None, tuple[int, ...]]]] = 
     "/admin/v1/keys": {"post": (CreateKey, (400, 401, 403, 404)), "get": (None, (401, 403))},
     "/admin/v1/keys/{key_id}": {"delete": (None, (401, 403, 404))},
     "/admin/v1/audit": {"get": (None, (400, 401, 403))},
+    "/admin/v1/residency": {"get": (None, (401, 403))},
 }
 
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from loraplex.config import EngineConfig, SchedulerConfig
+from loraplex.config import EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.server.limits import ServerLimits
 from loraplex.server.serve import Server, ServerSettings, build_server
 
@@ -31,10 +31,11 @@ def live_server(
     api_keys: tuple[str, ...] = (),
     data_dir: str | None = None,
     source_roots: tuple[str, ...] = (),
+    lora: LoRAConfig | None = None,
     **engine_kw,  # noqa: ANN003
 ) -> Iterator[tuple[str, Server]]:
-    """A server on `model` with `adapters`; `engine_kw` are SchedulerConfig fields; `data_dir` None:
-    a temporary one."""
+    """A server on `model` with `adapters`; `engine_kw` are SchedulerConfig fields; `lora` the LoRA
+    settings (adapter tier budgets); `data_dir` None: a temporary one."""
     settings = ServerSettings(
         model=model,
         adapters=adapters,
@@ -44,7 +45,7 @@ def live_server(
     )
     if limits is not None:
         settings.limits = limits
-    config = EngineConfig(model_dir=model, scheduler=SchedulerConfig(**engine_kw))
+    config = EngineConfig(model_dir=model, scheduler=SchedulerConfig(**engine_kw), lora=lora or LoRAConfig())
     server = build_server(settings, config, progress=False)
     server.async_engine.start()
     port = free_port()

@@ -6,7 +6,14 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import torch
+
+from loraplex.adapters.device_pool import AdapterPool
+from loraplex.adapters.host_cache import HostCache
+from loraplex.adapters.residency import AdapterResidency
+from loraplex.adapters.tiers import AdapterTiers
 from loraplex.engine.stats import StepStats
+from loraplex.lora.weights import LoRASlotTable
 from loraplex.server.metrics import ServerMetrics
 
 
@@ -32,6 +39,14 @@ def _replays(metrics: ServerMetrics) -> float:
     return float(re.search(r"^loraplex_cuda_graph_replays_total (\S+)$", text, re.M).group(1))
 
 
+def _tiers() -> AdapterTiers:
+    """Real, empty adapter tiers (a 1 KiB pool) for the fake engine."""
+    table = LoRASlotTable(1, torch.float32)
+    pool = AdapterPool(1024, torch.float32, "cpu")
+    residency = AdapterResidency(table, torch.float32, "cpu", pool)
+    return AdapterTiers(residency, pool, HostCache(0, torch.float32), lambda: ([], []))
+
+
 def test_graph_replays_counted_only_for_real_replays() -> None:
     metrics = ServerMetrics()
     engine = SimpleNamespace(
@@ -42,6 +57,7 @@ def test_graph_replays_counted_only_for_real_replays() -> None:
         graph_captures=3,
         kernel_compiles=5,
         warmup_s=1.5,
+        tiers=_tiers(),
     )
     metrics.on_step(engine)
     metrics.on_step(engine)
@@ -50,6 +66,7 @@ def test_graph_replays_counted_only_for_real_replays() -> None:
     assert re.search(r"^loraplex_cuda_graphs_captured 3\.0$", text, re.M)
     assert re.search(r"^loraplex_kernel_compiles 5\.0$", text, re.M)
     assert re.search(r"^loraplex_startup_warmup_seconds 1\.5$", text, re.M)
+    assert re.search(r'^loraplex_adapter_tier_budget_bytes\{tier="device"\} 1024\.0$', text, re.M)
     engine.last_stats = _stats(False)  # an eager step
     metrics.on_step(engine)
     engine.last_stats, engine.graph_replays = _stats(True), 0  # static buffers, no graphs (CPU)

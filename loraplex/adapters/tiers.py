@@ -1,0 +1,298 @@
+"""Tiered residency: store (disk) -> host cache -> device pool, loads on demand, eviction by policy.
+
+The engine asks `ready(revision)` before it schedules a waiting sequence: a device-resident
+revision is ready; any other starts loading (once) and is not, so the sequence waits while every
+other request keeps running. `poll()`, at the start of each step and on the step thread, turns
+finished loads into device residency:
+
+- From the host tier the weights are at hand; from the store (the disk tier, read through the
+  `source` callback its owner installs, e.g. the server's control service) a single background
+  thread reads and converts them, so a slow read never holds up a step.
+- Placing a load that does not fit asks `EvictionPolicy` for victims among the device-resident
+  revisions: never one that a running sequence references (only scheduled sequences pin slots;
+  a running sequence will be scheduled again), and, while anything else makes room, never one
+  that a queued sequence waits for. Victims go to the host tier first, so they reload without
+  disk. When nothing runs and every resident adapter is only awaited by queued sequences, the
+  queued protection is lifted so the queue cannot deadlock.
+- Loads happen between steps only (no slot is pinned then), so no step ever sees a slot change
+  under it; the slot generations catch any per-step data built before a change.
+
+Nothing here scales with the number of registered adapters on the step path: `poll` returns at
+once when no load is in flight, and a placement looks at resident adapters and the live queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import torch
+
+from loraplex.adapters.device_pool import AdapterPool
+from loraplex.adapters.eviction import Candidate, EvictionPolicy, Tier
+from loraplex.adapters.host_cache import HostCache
+from loraplex.adapters.residency import AdapterResidency, Residency
+from loraplex.config import LoRAConfig
+from loraplex.lora.weights import AdapterWeights, LoRASlotTable
+from loraplex.types import AdapterRef
+
+# What the engine reports of its live sequences when a placement needs victims: the adapters of
+# the running sequences and of the waiting ones.
+Demand = Callable[[], tuple[Iterable[AdapterRef | None], Iterable[AdapterRef | None]]]
+Source = Callable[[str], AdapterWeights]
+
+_CPU_DEVICE_BYTES = 1 << 30  # CPU: host memory; torch.empty commits pages only as adapters use them
+_CUDA_FREE_FRACTION = 0.25  # CUDA: of the memory free after the model and the KV cache
+_HOST_BYTES = 4 << 30
+
+
+class AdapterLoadError(RuntimeError):
+    """An adapter revision cannot be made resident (the message says why)."""
+
+
+def default_budgets(
+    device: torch.device, device_bytes: int | None, host_bytes: int | None
+) -> tuple[int, int]:
+    """Device and host tier budgets: the configured ones, else 1 GiB (CPU) or a quarter of the GPU
+    memory free once the model and KV cache are allocated (CUDA graphs and activations need the
+    rest), and 4 GiB of host memory."""
+    if device_bytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            device_bytes = int(free * _CUDA_FREE_FRACTION)
+        else:
+            device_bytes = _CPU_DEVICE_BYTES
+    return device_bytes, _HOST_BYTES if host_bytes is None else host_bytes
+
+
+def build_tiers(
+    table: LoRASlotTable, device: torch.device, config: LoRAConfig, demand: Demand
+) -> AdapterTiers:
+    """An engine's tiers: the device pool preallocated now (so after the model and the KV cache,
+    sized from what they left), the host tier (pinned on CUDA), and residency over the pool."""
+    assert table.dtype is not None, "the slot table's dtype sizes the pool"
+    device_bytes, host_bytes = default_budgets(device, config.adapter_device_bytes, config.adapter_host_bytes)
+    pool = AdapterPool(device_bytes, table.dtype, device)
+    residency = AdapterResidency(table, table.dtype, device, pool)
+    host = HostCache(host_bytes, table.dtype, pin=device.type == "cuda")
+    return AdapterTiers(residency, pool, host, demand)
+
+
+class AdapterTiers:
+    def __init__(
+        self,
+        residency: AdapterResidency,
+        pool: AdapterPool,
+        host: HostCache,
+        demand: Demand,
+        policy: EvictionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.residency = residency
+        self.pool = pool
+        self.host = host
+        self.policy = policy or EvictionPolicy()
+        self.demand = demand
+        self.clock = clock
+        # The disk tier: reads a revision's weights (any dtype, any device). None: adapters live
+        # only where they were registered, so the host tier keeps every one of them.
+        self.source: Source | None = None
+        self._tenant: dict[str, str] = {}
+        self._loading: dict[str, Future[AdapterWeights]] = {}  # background reads from the source
+        self._ready: dict[str, AdapterWeights] = {}  # host copies waiting for device room
+        self._failed: dict[str, str] = {}  # revision -> why its last load failed
+        self._executor: ThreadPoolExecutor | None = None
+        self.counts: Counter[str] = Counter()  # hits per tier, loads, evictions, stalls
+        self.events = 0  # bumped on every change to what `stats` reports: metrics refresh on change
+
+    # --- registration ----------------------------------------------------------------------------
+
+    def register(self, revision: str, weights: AdapterWeights, tenant: str) -> AdapterWeights:
+        """Take a registered revision's weights into the host tier (kept there when no store backs
+        it) and onto the device when that needs no eviction. Returns the host copy."""
+        self._tenant[revision] = tenant
+        self._failed.pop(revision, None)
+        copy = self.host.put(revision, weights, keep=self.source is None)
+        self.events += 1
+        if revision not in self._loading and self.pool.free_bytes >= self.pool.footprint(copy):
+            self.residency.load(revision, copy)
+        return copy
+
+    def drop(self, revision: str) -> None:
+        """A retired revision nobody holds: free its device room and host copy, forget it."""
+        self.residency.evict(revision)
+        self.host.drop(revision)
+        self.events += 1
+        self._ready.pop(revision, None)
+        self._tenant.pop(revision, None)
+        self.policy.forget(revision)
+
+    # --- admission -------------------------------------------------------------------------------
+
+    def admit(self, revision: str) -> str:
+        """A request for `revision` was admitted: count the tier it was found in (device, host or
+        disk), record the use, and start its load. Raises AdapterLoadError when it can never load."""
+        self.policy.touch(revision, self.clock())
+        if self.residency.state(revision) is Residency.RESIDENT:
+            tier = "device"
+        elif revision in self.host or revision in self._ready:
+            tier = "host"
+        else:
+            tier = "disk"
+            if self.source is None:
+                raise AdapterLoadError(
+                    f"revision {revision[:12]} is not resident and there is no store to load it from"
+                )
+        self.counts[f"{tier}_hits"] += 1
+        self.events += 1
+        if tier != "device":
+            self.counts["stalled"] += 1
+            self._start(revision)
+        return tier
+
+    def ready(self, revision: str) -> bool:
+        """Whether a sequence on `revision` may run now; if not, its load is under way."""
+        if self.residency.is_resident(revision):
+            return True
+        if revision not in self._failed:  # a failed load waits for the engine to fail its requests
+            self._start(revision)
+        return False
+
+    def _start(self, revision: str) -> None:
+        if revision in self._ready or revision in self._loading:
+            return
+        weights = self.host.get(revision)
+        if weights is not None:
+            self._ready[revision] = weights
+            return
+        if self.source is None:
+            self._failed[revision] = "no store to load it from"
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
+        source = self.source
+        self._loading[revision] = self._executor.submit(lambda: self.host.host_copy(source(revision)))
+
+    # --- between steps ---------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Loads in flight or waiting for room, or failures the engine has yet to report."""
+        return bool(self._loading or self._ready or self._failed)
+
+    def poll(self) -> None:
+        """Place every finished load that has room (evicting by policy); on the step thread."""
+        if not (self._loading or self._ready):
+            return
+        for revision, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[revision]
+            try:
+                weights = future.result()
+            except Exception as err:  # the store's message names the file and the problem
+                self._failed[revision] = str(err)
+                self.counts["load_failures"] += 1
+                self.events += 1
+                continue
+            self.counts["disk_loads"] += 1
+            # Fetched weights enter the host tier (unkept: the store has them), so the next eviction
+            # of this revision costs no disk read.
+            self._ready[revision] = self.host.put(revision, weights)
+        for revision in list(self._ready):
+            if self._place(revision, self._ready[revision]):
+                del self._ready[revision]
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` seconds for a background load to finish: a step with nothing to run
+        but loads in flight waits here instead of spinning against the loader thread."""
+        if self._loading:
+            wait(list(self._loading.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def take_failures(self) -> dict[str, str]:
+        """Revisions whose load failed since the last call, with why (cleared, so a later request
+        tries again)."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def _place(self, revision: str, weights: AdapterWeights) -> bool:
+        if self.residency.state(revision) is Residency.RESIDENT:
+            return True
+        size = self.pool.footprint(weights)
+        if size > self.pool.budget_bytes:
+            self._failed[revision] = (
+                f"it needs {size} device bytes, more than the adapter device budget of "
+                f"{self.pool.budget_bytes}"
+            )
+            return True
+        if size > self.pool.free_bytes and not self._make_room(revision, size):
+            return False
+        self.residency.load(revision, weights)
+        self.counts["loads"] += 1
+        self.events += 1
+        return True
+
+    def _make_room(self, revision: str, size: int) -> bool:
+        running, waiting = self.demand()
+        refs = Counter(a.revision for a in running if a is not None)
+        queued = Counter(a.revision for a in waiting if a is not None)
+        now = self.clock()
+        tenant = self._tenant.get(revision, "")
+
+        def candidates(protect_queued: bool) -> list[Candidate]:
+            return [
+                Candidate(
+                    r,
+                    self._tenant.get(r, ""),
+                    self.pool.allocated_of(r),
+                    Tier.HOST if r in self.host else Tier.DISK,
+                    references=refs[r],
+                    queued=queued[r] if protect_queued else 0,
+                )
+                for r in self.residency.resident_revisions()
+            ]
+
+        choice = self.policy.choose_victims(size, self.pool.free_bytes, candidates(True), tenant, now)
+        if not choice.ok and not refs:
+            # Nothing runs, so nothing will finish and free room: waiting for the queued adapters'
+            # requests would wait forever. Take from those instead.
+            choice = self.policy.choose_victims(size, self.pool.free_bytes, candidates(False), tenant, now)
+        if not choice.ok:
+            return False
+        for victim in choice.victims:
+            if victim not in self.host:  # keep it one cheap copy away (the host tier may drop it)
+                self.host.put(victim, self.residency.weights(victim))
+            self.residency.evict(victim)
+            self.counts["evictions"] += 1
+            self.events += 1
+        return True
+
+    # --- visibility ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        device = self.pool.stats()
+        return {
+            "device": {**device, "hits": self.counts["device_hits"]},
+            "host": self.host.stats(),
+            "host_admissions": self.counts["host_hits"],
+            "disk": {"hits": self.counts["disk_hits"], "loads": self.counts["disk_loads"]},
+            "loads": self.counts["loads"],
+            "evictions": self.counts["evictions"],
+            "load_failures": self.counts["load_failures"],
+            "stalled_requests": self.counts["stalled"],
+            "loading": len(self._loading) + len(self._ready),
+        }
+
+    def where(self) -> dict[str, list[str]]:
+        """Which revisions are in which tier now (a revision may be in both), and which are loading."""
+        return {
+            "device": sorted(self.residency.resident_revisions()),
+            "host": sorted(self.host.revisions()),
+            "loading": sorted({*self._loading, *self._ready}),
+        }
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

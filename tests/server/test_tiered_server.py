@@ -1,0 +1,58 @@
+"""A server whose device pool holds one demo adapter: concurrent traffic over all four demo task
+adapters is answered exactly as with every adapter resident (evicted adapters come back from the
+host tier or the store), and the tiers show in `/metrics` and `GET /admin/v1/residency`."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers.admin_server import ADMIN, MODEL, admin, auth, complete, sources
+from helpers.live_server import live_server
+from safetensors import safe_open
+
+from loraplex import LLM, SamplingParams
+from loraplex.config import LoRAConfig
+from loraplex.demo import DEMO_ADAPTERS
+from loraplex.demo.tasks import held_out_inputs, make_prompt
+
+
+def _footprint(path: Path) -> int:
+    """Device bytes of a demo adapter in the float32 pool: each tensor rounded up to 16 bytes."""
+    total = 0
+    with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            total += -(-f.get_tensor(name).numel() * 4 // 16) * 16
+    return total
+
+
+@pytest.mark.parametrize("host_bytes", [None, 0], ids=["host-tier", "store-only"])
+def test_room_for_one_demo_adapter(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, host_bytes: int | None
+) -> None:
+    monkeypatch.setenv("LORAPLEX_ADMIN_KEY", ADMIN)
+    room = max(_footprint(p) for p in DEMO_ADAPTERS.values())
+    lora = LoRAConfig(adapter_device_bytes=room, adapter_host_bytes=host_bytes)
+    demo = {k: str(v) for k, v in DEMO_ADAPTERS.items()}
+    prompts = [make_prompt(t) for t in held_out_inputs(3)]
+    jobs = [(task, p) for p in prompts for task in demo]
+    reference = LLM(MODEL)
+    for name, path in demo.items():
+        reference.register_adapter(name, path)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    want = [o.text for o in reference.generate([p for _, p in jobs], params, [t for t, _ in jobs])]
+    root = sources(tmp_path / "sources")
+    with live_server(MODEL, demo, source_roots=(str(root),), lora=lora) as (base, _):
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda job: complete(base, ADMIN, job[0], job[1]), jobs))
+        assert [r.json()["choices"][0]["text"] for r in got] == want
+        report = admin("GET", base, "/residency")
+        assert report.status_code == 200, report.text
+        body = report.json()
+        assert body["tiers"]["evictions"] > 0 and body["tiers"]["loads"] > 0
+        assert len(body["adapters"]["device"]) == 1 and body["adapters"]["device"][0]["names"]
+        metrics = httpx.get(f"{base}/metrics", headers=auth(ADMIN)).text
+        assert 'loraplex_adapter_tier_budget_bytes{tier="device"}' in metrics
+        assert 'loraplex_adapter_residency_events{event="evictions"}' in metrics
