@@ -52,7 +52,9 @@ def test_room_for_one_demo_adapter(
         assert report.status_code == 200, report.text
         body = report.json()
         assert body["tiers"]["evictions"] > 0 and body["tiers"]["loads"] > 0
-        assert len(body["adapters"]["device"]) == 1 and body["adapters"]["device"][0]["names"]
+        # room for the largest demo adapter: one of it, or two smaller ones, never all four
+        on_device = body["adapters"]["device"]
+        assert 1 <= len(on_device) < len(demo) and all(a["names"] for a in on_device)
         metrics = httpx.get(f"{base}/metrics", headers=auth(ADMIN)).text
         assert 'loraplex_adapter_tier_budget_bytes{tier="device"}' in metrics
         assert 'loraplex_adapter_residency_events{event="evictions"}' in metrics
