@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,24 +119,18 @@ def _fetch_http(source: str, staging: Path, policy: SourcePolicy) -> None:
         raise SourceError(f"host {named!r} is not an allowed source host")
     fs = fsspec.filesystem("http", client_kwargs={}, skip_instance_cache=True)
     base = source.rstrip("/")
-    total = 0
-    for name in (*ADAPTER_FILES, *OPTIONAL_FILES):
+
+    @contextmanager
+    def open_file(name: str) -> Iterator[Any]:
         url = f"{base}/{name}"
-        try:
-            with fs.open(url, "rb", block_size=0, allow_redirects=False) as f:
-                # fsspec raises for 4xx/5xx only; a redirect (not followed) must not pass as a body
-                status = getattr(getattr(f, "r", None), "status", 200)
-                if status != 200:
-                    raise SourceError(f"{url}: fetch failed (HTTP {status}; redirects are not followed)")
-                total += _copy_limited(_chunks(f), staging / name, name, total, policy)
-        except SourceError:
-            raise
-        except FileNotFoundError:
-            if name in OPTIONAL_FILES:
-                continue
-            raise SourceError(f"{url}: not found") from None
-        except Exception as err:  # network errors, HTTP errors, redirects refused
-            raise SourceError(f"{url}: fetch failed ({err.__class__.__name__}: {err})") from None
+        with fs.open(url, "rb", block_size=0, allow_redirects=False) as f:
+            # fsspec raises for 4xx/5xx only; a redirect (not followed) must not pass as a body
+            status = getattr(getattr(f, "r", None), "status", 200)
+            if status != 200:
+                raise SourceError(f"{url}: fetch failed (HTTP {status}; redirects are not followed)")
+            yield f
+
+    _fetch_remote(open_file, base, staging, policy)
 
 
 def _fetch_s3(source: str, staging: Path, policy: SourcePolicy) -> None:
@@ -152,20 +147,33 @@ def _fetch_s3(source: str, staging: Path, policy: SourcePolicy) -> None:
     client = {"endpoint_url": policy.s3_endpoint} if policy.s3_endpoint else {}
     fs = fsspec.filesystem("s3", client_kwargs=client, skip_instance_cache=True)
     base = f"{bucket}/{parts.path.strip('/')}".rstrip("/")
+    _fetch_remote(
+        lambda name: fs.open(f"{base}/{name}", "rb", block_size=_CHUNK, cache_type="none"),
+        f"s3://{base}",
+        staging,
+        policy,
+    )
+
+
+def _fetch_remote(
+    open_file: Callable[[str], AbstractContextManager[Any]], base: str, staging: Path, policy: SourcePolicy
+) -> None:
+    """Copy the adapter files (optional ones when present) from a remote location into staging,
+    within the size limits; every failure is a SourceError naming the file's address."""
     total = 0
     for name in (*ADAPTER_FILES, *OPTIONAL_FILES):
-        key = f"{base}/{name}"
+        where = f"{base}/{name}"
         try:
-            with fs.open(key, "rb", block_size=_CHUNK, cache_type="none") as f:
+            with open_file(name) as f:
                 total += _copy_limited(_chunks(f), staging / name, name, total, policy)
         except SourceError:
             raise
         except FileNotFoundError:
             if name in OPTIONAL_FILES:
                 continue
-            raise SourceError(f"s3://{key}: not found") from None
-        except Exception as err:  # credentials, network, permissions
-            raise SourceError(f"s3://{key}: fetch failed ({err.__class__.__name__}: {err})") from None
+            raise SourceError(f"{where}: not found") from None
+        except Exception as err:  # network, HTTP errors, credentials, permissions
+            raise SourceError(f"{where}: fetch failed ({err.__class__.__name__}: {err})") from None
 
 
 def _chunks(f: Any) -> Iterator[bytes]:  # noqa: ANN401

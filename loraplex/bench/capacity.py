@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loraplex.bench.plots import pyplot
+
 GIB = 1 << 30
 
 # torch and the model configs load inside the functions: `loraplex --help` imports this module.
@@ -149,12 +151,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     labels = [f"r={r['rank']}" for r in report["per_rank"]] + ["mix"]
     device = [r["fit_device"] for r in report["per_rank"]] + [report["mix"]["fit_device"]]

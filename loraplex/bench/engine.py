@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from loraplex.adapters.peft_import import LAYOUT_VERSION, MANIFEST_FORMAT, ImportedAdapter
+from loraplex.bench.plots import pyplot
 from loraplex.config import (
     CacheConfig,
     EngineConfig,
@@ -486,12 +487,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     labels = ["floor", "base-only", "LoRA"]
     values = [report["floor_ms"], report["base_step_ms"], report["lora_step_ms"] or 0.0]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from loraplex.bench.kernel_cases import GROUPS, LAYER
+from loraplex.bench.plots import pyplot
 
 KEY_CASES = ("decode M=64 D=32 r=16", "decode M=64 D=32 r=mixed", "prefill M=4096 D=8 r=16")
 
@@ -104,12 +105,8 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     decode = [r for r in report["results"] if r["case"]["phase"] == "decode"]

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loraplex.bench.plots import pyplot
+
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}"
@@ -98,12 +100,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     runs = [("with adapters", report["adapters"])] + (
