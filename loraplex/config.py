@@ -228,10 +228,22 @@ class LoRAConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decode rows)
+    # Admission batching: a step that would otherwise be pure decode admits new prompts only once
+    # their tokens add up to this many, or the oldest has waited `admission_max_wait_ms`. Where
+    # decode steps replay CUDA graphs and prefill steps run eagerly, an eager step costs several
+    # decode steps of host time whatever its size, so a few full prefill steps beat one per
+    # arrival. None: half the step token budget where decode steps replay CUDA graphs, else 0
+    # (every arrival admitted at once).
+    admission_batch_tokens: int | None = None
+    admission_max_wait_ms: int = 50
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.admission_batch_tokens is not None and self.admission_batch_tokens < 0:
+            raise ValueError("admission_batch_tokens must be >= 0 (0 admits every arrival at once)")
+        if self.admission_max_wait_ms < 0:
+            raise ValueError("admission_max_wait_ms must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,9 @@ class Engine:
         self.tiers = build_tiers(self.lora_table, self.device, config.lora, self._demand)
         self.residency = self.tiers.residency
         self._last_slot_map: tuple[tuple[ScheduledChunk, ...], int, StepSlots] | None = None
-        self.scheduler = Scheduler(config.scheduler, self.pool, block_size, self._adapter_ready)
+        self.scheduler = Scheduler(
+            config.scheduler, self.pool, block_size, self._adapter_ready, _admission_batch_tokens(config)
+        )
         self.runner = ModelRunner(
             self.model, self.kv, self.lora_table, self.lora_backend, self.device, self._static_decode(config)
         )
@@ -507,3 +509,14 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return frozenset(ids)
+
+
+def _admission_batch_tokens(config: EngineConfig) -> int:
+    """The configured admission batch, else half the step token budget where decode steps replay
+    CUDA graphs (an eager prefill step costs several graph-replayed decode steps of host time),
+    else 0."""
+    sc = config.scheduler
+    if sc.admission_batch_tokens is not None:
+        return sc.admission_batch_tokens
+    graphs = config.device.startswith("cuda") and min(config.graphs.cuda_graph_max_batch, sc.max_num_seqs) > 0
+    return sc.max_num_batched_tokens // 2 if graphs else 0

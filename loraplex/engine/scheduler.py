@@ -8,10 +8,15 @@ the ones behind it (strict FCFS); one whose adapter is still loading is passed o
 running sequence needs a block and none is free, the latest-arrived running sequence is
 preempted: its blocks are freed and it goes back to the waiting queue, to be recomputed from its
 prompt and generated tokens.
+
+Admission batching (`admission_batch_tokens`): a step whose running sequences all decode admits
+new prompts only once enough prompt tokens wait, or the oldest has waited long enough; a step
+that carries prefill work anyway admits at once.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,8 +57,12 @@ class Scheduler:
         pool: BlockPool,
         block_size: int,
         ready: Callable[[Sequence], bool] | None = None,
+        admission_batch_tokens: int = 0,
     ) -> None:
         self.config = config
+        # resolved by the engine when the config leaves it to the device (None)
+        self.admission_batch_tokens = admission_batch_tokens
+        self._admission_max_wait = config.admission_max_wait_ms / 1000
         # The adapter gate: a waiting sequence is admitted only once `ready(seq)` (its adapter is
         # device-resident); one that is not is passed over, not waited for, so it blocks nobody.
         self.ready = ready
@@ -67,6 +76,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.waiting_since = time.monotonic()
         self._insert_waiting(seq)
 
     def has_work(self) -> bool:
@@ -88,6 +98,7 @@ class Scheduler:
         pool = self.pool
         bs = self.block_size
         decode_chunks = self._decode_chunks
+        all_decode = True
         for seq in running:
             if budget <= 0:
                 break
@@ -112,6 +123,7 @@ class Scheduler:
                     chunk = decode_chunks[seq] = ScheduledChunk(seq, 1, True)
             else:
                 chunk = ScheduledChunk(seq, n, False)
+                all_decode = False
             chunks.append(chunk)
             budget -= n
 
@@ -119,6 +131,8 @@ class Scheduler:
         # preempted would otherwise be re-admitted at once to recompute a prefix it loses again.
         ready, waiting, i = self.ready, self.waiting, 0
         max_seqs = self.config.max_num_seqs
+        if waiting and all_decode and running and self._hold_admissions(budget):
+            return StepPlan(tuple(chunks), tuple(preempted))
         while not preempted and i < len(waiting) and budget > 0 and len(self.running) < max_seqs:
             seq = waiting[i]
             if ready is not None and not ready(seq):
@@ -136,6 +150,24 @@ class Scheduler:
             budget -= n
         return StepPlan(tuple(chunks), tuple(preempted))
 
+    def _hold_admissions(self, budget: int) -> bool:
+        """Whether a pure decode step keeps its waiting prompts back: while fewer than
+        `admission_batch_tokens` prompt tokens (capped by the step's room) wait and the oldest
+        waiting sequence has waited less than `admission_max_wait_ms`. Counting stops at the
+        threshold, so a long queue costs no more than a short one."""
+        want = min(self.admission_batch_tokens, budget)
+        if want <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return False
+        waiting = self.waiting
+        if time.monotonic() - min(s.waiting_since for s in waiting[:4]) >= self._admission_max_wait:
+            return False  # (preempted sequences keep their arrival order, so look past the first)
+        tokens = 0
+        for seq in waiting:
+            tokens += seq.num_uncomputed
+            if tokens >= want:
+                return False
+        return True
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
         if seq in self.running:
@@ -152,6 +184,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
+        seq.waiting_since = time.monotonic()
         self._insert_waiting(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:

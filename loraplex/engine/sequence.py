@@ -36,6 +36,7 @@ class Sequence:
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
+    waiting_since: float = 0.0  # time.monotonic() when it last entered the waiting queue
 
     @property
     def prompt_len(self) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
+
 from loraplex.config import SchedulerConfig
 from loraplex.engine.scheduler import Scheduler, StepPlan
 from loraplex.engine.sequence import Sequence, SequenceStatus
@@ -312,3 +314,51 @@ def test_random_workloads_keep_the_bookkeeping_and_finish() -> None:
             preemptions += seq.num_preemptions
         assert st.pool.num_used == 0
     assert preemptions > 0  # the workloads did exercise preemption
+
+
+def _batching_stepper(batch_tokens: int, max_wait_ms: int) -> Stepper:
+    st = Stepper(num_blocks=512, budget=256)
+    st.config = SchedulerConfig(
+        max_num_seqs=64, max_num_batched_tokens=256, admission_max_wait_ms=max_wait_ms
+    )
+    st.sched = Scheduler(st.config, st.pool, BS, admission_batch_tokens=batch_tokens)
+    return st
+
+
+def test_admission_batching_holds_prompts_out_of_pure_decode_steps_until_enough_tokens_wait() -> None:
+    st = _batching_stepper(batch_tokens=100, max_wait_ms=60_000)
+    st.add("a", 8, max_tokens=50)
+    st.step()  # a's prefill
+    st.add("b", 40)
+    plan = st.step()
+    assert [c.seq.request_id for c in plan.chunks] == ["a"] and plan.chunks[0].is_decode
+    st.add("c", 40)
+    assert [c.seq.request_id for c in st.step().chunks] == ["a"]  # 80 tokens wait: still held
+    st.add("d", 30)  # 110 >= 100: one step admits all three
+    assert [c.seq.request_id for c in st.step().chunks] == ["a", "b", "c", "d"]
+
+
+def test_admission_batching_admits_after_the_wait_limit_and_into_steps_that_prefill_anyway() -> None:
+    st = _batching_stepper(batch_tokens=100, max_wait_ms=0)
+    st.add("a", 8, max_tokens=50)
+    st.step()
+    st.add("b", 10)
+    assert [c.seq.request_id for c in st.step().chunks] == ["a", "b"]  # waited >= 0 ms
+
+    st = _batching_stepper(batch_tokens=10_000, max_wait_ms=60_000)
+    st.add("a", 300, max_tokens=50)  # longer than the 256-token budget: prefilled in chunks
+    st.step()
+    st.add("b", 10)
+    plan = st.step()  # a's second chunk makes this a prefill step: b rides along
+    assert [c.seq.request_id for c in plan.chunks] == ["a", "b"] and not plan.chunks[0].is_decode
+    # With nothing running, nothing is held (there is no decode step to protect).
+    st = _batching_stepper(batch_tokens=10_000, max_wait_ms=60_000)
+    st.add("x", 10)
+    assert [c.seq.request_id for c in st.step().chunks] == ["x"]
+
+
+def test_admission_batching_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="admission_batch_tokens"):
+        SchedulerConfig(admission_batch_tokens=-1)
+    with pytest.raises(ValueError, match="admission_max_wait_ms"):
+        SchedulerConfig(admission_max_wait_ms=-5)
