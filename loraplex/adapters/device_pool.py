@@ -25,6 +25,11 @@ the device tables refresh), and every key carries a generation bumped on each mo
 `fixed` (e.g. the slots the running step has pinned, whose data a kernel may be reading) are
 never moved; on CUDA the caller also orders the copies after any in-flight step that reads the
 moved extents (same stream, or an event).
+
+Asynchronous loads (`adapters/h2d_copy.py`): `place(..., copy=False)` only reserves the extent,
+whose bytes a side-stream copy then writes; such keys are *in flight* until `settle`, and a
+compaction never moves them either (it copies on the step's stream, which would race the
+side-stream copy and could move bytes not yet written).
 """
 
 from __future__ import annotations
@@ -66,6 +71,41 @@ class _Extent:
     generation: int = 0
 
 
+def layout(weights: AdapterWeights, elem: int) -> tuple[tuple[_Pair, ...], int, int]:
+    """Where each tensor of `weights` goes inside an extent of `elem`-byte elements, the extent's
+    footprint and actual bytes; validates shapes before anything changes. The host tier packs its
+    copies the same way, so a load is one contiguous copy (adapters/h2d_copy.py)."""
+    pairs: list[_Pair] = []
+    off = actual = 0
+    for pkey in sorted(weights.pairs):
+        pair = weights.pairs[pkey]
+        if pair.a.dim() != 2 or pair.b.dim() != 2:
+            raise ValueError(
+                f"{pkey}: A and B must be 2-D, got {tuple(pair.a.shape)} and {tuple(pair.b.shape)}"
+            )
+        rank, d_in = (int(n) for n in pair.a.shape)
+        d_out = int(pair.b.shape[0])
+        if pair.b.shape[1] != rank:
+            raise ValueError(f"{pkey}: B {tuple(pair.b.shape)} does not match A's rank {rank}")
+        a_bytes, b_bytes = rank * d_in * elem, d_out * rank * elem
+        pairs.append(_Pair(pkey, off, (rank, d_in), off + _round_up(a_bytes), (d_out, rank), pair.scale))
+        off += _round_up(a_bytes) + _round_up(b_bytes)
+        actual += a_bytes + b_bytes
+    return tuple(pairs), off, actual
+
+
+def views(flat: torch.Tensor, start: int, pairs: tuple[_Pair, ...]) -> AdapterWeights:
+    """The pairs of an extent starting `start` bytes into the 1-D tensor `flat`, as views."""
+    elem = flat.element_size()
+    out = {}
+    for p in pairs:
+        a0, b0 = (start + p.a_off) // elem, (start + p.b_off) // elem
+        a = flat[a0 : a0 + p.a_shape[0] * p.a_shape[1]].view(p.a_shape)
+        b = flat[b0 : b0 + p.b_shape[0] * p.b_shape[1]].view(p.b_shape)
+        out[p.key] = LoRAPair(a, b, p.scale)
+    return AdapterWeights(out)
+
+
 @dataclass(frozen=True)
 class Placement:
     """What `place` did: the new adapter's weights (views into the pool), and the weights of every
@@ -94,6 +134,7 @@ class AdapterPool:
         self.used_bytes = 0
         self.compactions = 0  # placements that had to move live adapters
         self.bytes_moved = 0
+        self.in_flight: set[str] = set()  # reserved keys an asynchronous copy is still writing
 
     # --- sizes ----------------------------------------------------------------------------------
 
@@ -151,35 +192,39 @@ class AdapterPool:
     def weights(self, key: str) -> AdapterWeights:
         """`key`'s weights as views into the pool at its current place."""
         ext = self._extents[key]
-        flat, elem = self.buffer, self.elem
-        pairs = {}
-        for p in ext.pairs:
-            a0, b0 = (ext.start + p.a_off) // elem, (ext.start + p.b_off) // elem
-            a = flat[a0 : a0 + p.a_shape[0] * p.a_shape[1]].view(p.a_shape)
-            b = flat[b0 : b0 + p.b_shape[0] * p.b_shape[1]].view(p.b_shape)
-            pairs[p.key] = LoRAPair(a, b, p.scale)
-        return AdapterWeights(pairs)
+        return views(self.buffer, ext.start, ext.pairs)
 
     # --- placing and freeing --------------------------------------------------------------------
 
     def place(
-        self, key: str, weights: AdapterWeights, *, fixed: Collection[str] = (), non_blocking: bool = False
+        self,
+        key: str,
+        weights: AdapterWeights,
+        *,
+        fixed: Collection[str] = (),
+        non_blocking: bool = False,
+        copy: bool = True,
     ) -> Placement:
         """Copy `weights` into the pool under `key` and return views of them, compacting when no
-        free run is large enough. Adapters in `fixed` are not moved. Raises `PoolFullError` (and
-        changes nothing) when the room cannot be made, ValueError on malformed weights."""
+        free run is large enough. Adapters in `fixed` and in flight are not moved. `copy=False`
+        only reserves the extent and marks `key` in flight (its caller copies, then `settle`s).
+        Raises `PoolFullError` (and changes nothing) when the room cannot be made, ValueError on
+        malformed weights."""
         if key in self._extents:
             raise ValueError(f"adapter {key[:12]} is already in the pool")
         pairs, size, actual = self._layout(weights)
         start = self._best_fit(size)
         moved: dict[str, AdapterWeights] = {}
         if start is None:
-            start, moved = self._compact_for(size, key, frozenset(fixed))
+            start, moved = self._compact_for(size, key, frozenset(fixed) | self.in_flight)
         ext = _Extent(start, size, actual, pairs)
         self._extents[key] = ext
         self.allocated_bytes += size
         self.used_bytes += actual
         placed = self.weights(key)
+        if not copy:
+            self.in_flight.add(key)
+            return Placement(placed, moved)
         for p in pairs:  # copy_ converts dtype and device, and keeps the views' layout
             src = weights.pairs[p.key]
             placed.pairs[p.key].a.copy_(src.a, non_blocking=non_blocking)
@@ -187,34 +232,22 @@ class AdapterPool:
         return Placement(placed, moved)
 
     def free(self, key: str) -> None:
-        """Give `key`'s bytes back (a no-op for an absent key). Its views must no longer be read."""
+        """Give `key`'s bytes back (a no-op for an absent key). Its views must no longer be read
+        (nor, for a key in flight, written)."""
+        self.in_flight.discard(key)
         ext = self._extents.pop(key, None)
         if ext is not None:
             self.allocated_bytes -= ext.size
             self.used_bytes -= ext.actual
 
+    def settle(self, key: str) -> None:
+        """The asynchronous copy into reserved `key` has completed: it may move again."""
+        self.in_flight.discard(key)
+
     # --- internals ------------------------------------------------------------------------------
 
     def _layout(self, weights: AdapterWeights) -> tuple[tuple[_Pair, ...], int, int]:
-        """Where each tensor goes inside the extent, the extent's footprint and actual bytes;
-        validates shapes before anything changes."""
-        pairs: list[_Pair] = []
-        off = actual = 0
-        for pkey in sorted(weights.pairs):
-            pair = weights.pairs[pkey]
-            if pair.a.dim() != 2 or pair.b.dim() != 2:
-                raise ValueError(
-                    f"{pkey}: A and B must be 2-D, got {tuple(pair.a.shape)} and {tuple(pair.b.shape)}"
-                )
-            rank, d_in = (int(n) for n in pair.a.shape)
-            d_out = int(pair.b.shape[0])
-            if pair.b.shape[1] != rank:
-                raise ValueError(f"{pkey}: B {tuple(pair.b.shape)} does not match A's rank {rank}")
-            a_bytes, b_bytes = rank * d_in * self.elem, d_out * rank * self.elem
-            pairs.append(_Pair(pkey, off, (rank, d_in), off + _round_up(a_bytes), (d_out, rank), pair.scale))
-            off += _round_up(a_bytes) + _round_up(b_bytes)
-            actual += a_bytes + b_bytes
-        return tuple(pairs), off, actual
+        return layout(weights, self.elem)
 
     def _ordered(self) -> list[tuple[str, _Extent]]:
         return sorted(self._extents.items(), key=lambda kv: kv[1].start)

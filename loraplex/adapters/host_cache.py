@@ -1,7 +1,8 @@
 """The host-memory tier: adapter weights kept in host memory between the store and the device pool.
 
-Entries are revisions' weights in the engine's dtype on the CPU, each tensor contiguous (pinned
-when the device is CUDA, so a host -> device copy can run asynchronously). They arrive when an
+Entries are revisions' weights in the engine's dtype on the CPU, packed in one buffer per revision
+in the device pool's extent layout (pinned when the device is CUDA, so a host -> device copy can
+run asynchronously, as one copy). They arrive when an
 adapter is evicted from the device (so it reloads without reading the store) or fetched from the
 store (so the next eviction drops it for free), and leave least recently used first once the byte
 budget is exceeded.
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.lora.weights import AdapterWeights, LoRAPair
+from loraplex.adapters.device_pool import layout, views
+from loraplex.lora.weights import AdapterWeights
 
 
 @dataclass
@@ -51,16 +53,18 @@ class HostCache:
         return list(self._entries)
 
     def host_copy(self, weights: AdapterWeights) -> AdapterWeights:
-        """`weights` as this tier stores them: CPU, the engine's dtype, contiguous, owned storage
-        (never a view of the device pool, whose bytes move), pinned when asked."""
-        pairs = {}
-        for key, p in weights.pairs.items():
-            a = p.a.detach().to("cpu", self.dtype, copy=True).contiguous()
-            b = p.b.detach().to("cpu", self.dtype, copy=True).contiguous()
-            if self.pin:
-                a, b = a.pin_memory(), b.pin_memory()
-            pairs[key] = LoRAPair(a, b, p.scale)
-        return AdapterWeights(pairs)
+        """`weights` as this tier stores them: CPU, the engine's dtype, owned storage (never a view
+        of the device pool, whose bytes move), pinned when asked. All pairs sit in one buffer laid
+        out as the device pool lays out an extent, so a load is one host -> device copy (and one
+        pinned allocation) instead of two per (layer, target)."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        pairs, size, _ = layout(weights, elem)
+        flat = torch.empty(size // elem, dtype=self.dtype, pin_memory=self.pin)
+        packed = views(flat, 0, pairs)
+        for key, p in packed.pairs.items():  # copy_ converts device and dtype
+            p.a.copy_(weights.pairs[key].a.detach())
+            p.b.copy_(weights.pairs[key].b.detach())
+        return packed
 
     def put(self, revision: str, weights: AdapterWeights, keep: bool = False) -> AdapterWeights:
         """Store a host copy of `weights` under `revision` (refreshing its recency when present;

@@ -11,6 +11,9 @@ revisions, request holds) is the registry's; this module knows revisions only.
   entries are re-pointed at their new views under the same slot ids (the table's version bump
   makes the device tables refresh in place, so captured decode graphs stay valid) and their
   generations bump. Without a pool each adapter is its own allocation (tests of this module).
+- On CUDA a load is two-phase (`reserve`, then `commit` once the side-stream copy into the
+  reserved views has completed, see h2d_copy.py): in between the revision is not resident, so no
+  step plan can name it.
 - A registry **hold** lasts from a request's admission to its finish. A slot **pin** lasts one
   step: `step_slots` pins the slots of the sequences scheduled in the step and `end_step`
   unpins them. Only a pinned slot is protected here, so queued requests cost no slot; the caller
@@ -103,13 +106,40 @@ class AdapterResidency:
             # before any bookkeeping: a failure changes nothing
             on_device = weights.to(self.device, self.dtype)
         else:
-            # PoolFullError leaves everything as it was. The pinned slots' adapters stay put: the
-            # running step's kernels may be reading them.
-            pinned = [r for r, s in self._slot_of.items() if s in self._pinned] if self._pinned else ()
-            placement = self.pool.place(revision, weights, fixed=pinned)
-            on_device = placement.weights
-            for moved, moved_weights in placement.moved.items():
-                self._repoint(moved, moved_weights)
+            on_device = self._place(revision, weights, copy=True)
+        return self._install(revision, on_device)
+
+    def reserve(self, revision: str, weights: AdapterWeights) -> AdapterWeights:
+        """Room in the pool for `revision` without copying: returns the views an asynchronous copy
+        must fill (adapters/h2d_copy.py). The revision is not resident (no step can read it) until
+        `commit`; `unreserve` gives the room back."""
+        assert self.pool is not None, "asynchronous loads need the device pool"
+        if revision in self._slot_of or revision in self.pool:
+            raise ValueError(f"revision {revision[:12]} is already resident or reserved")
+        return self._place(revision, weights, copy=False)
+
+    def commit(self, revision: str) -> SlotFacts:
+        """The copy into `revision`'s reserved room has completed: make it resident."""
+        assert self.pool is not None and revision in self.pool.in_flight, revision[:12]
+        self.pool.settle(revision)
+        return self._install(revision, self.pool.weights(revision))
+
+    def unreserve(self, revision: str) -> None:
+        """Give back a reservation whose copy has completed or will never be read."""
+        if self.pool is not None and revision in self.pool.in_flight:
+            self.pool.free(revision)
+
+    def _place(self, revision: str, weights: AdapterWeights, copy: bool) -> AdapterWeights:
+        assert self.pool is not None
+        # PoolFullError leaves everything as it was. The pinned slots' adapters stay put: the
+        # running step's kernels may be reading them.
+        pinned = [r for r, s in self._slot_of.items() if s in self._pinned] if self._pinned else ()
+        placement = self.pool.place(revision, weights, fixed=pinned, copy=copy)
+        for moved, moved_weights in placement.moved.items():
+            self._repoint(moved, moved_weights)
+        return placement.weights
+
+    def _install(self, revision: str, on_device: AdapterWeights) -> SlotFacts:
         slot = self._take_slot()
         generation = self._generation.get(slot, -1) + 1
         self.table.set(slot, on_device)

@@ -16,6 +16,9 @@ finished loads into device residency:
   queued protection is lifted so the queue cannot deadlock.
 - Loads happen between steps only (no slot is pinned then), so no step ever sees a slot change
   under it; the slot generations catch any per-step data built before a change.
+- On CUDA the host -> device copy itself is asynchronous (`copies`, adapters/h2d_copy.py): a
+  placement reserves the room and queues the copy on a side stream; a later `poll` commits it
+  once its event has completed. On the CPU the copy is synchronous, between steps.
 
 Nothing here scales with the number of registered adapters on the step path: `poll` returns at
 once when no load is in flight, and a placement looks at resident adapters and the live queue.
@@ -32,6 +35,7 @@ import torch
 
 from loraplex.adapters.device_pool import AdapterPool
 from loraplex.adapters.eviction import Candidate, EvictionPolicy, Tier
+from loraplex.adapters.h2d_copy import AsyncLoads, build_async_loads
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.residency import AdapterResidency, Residency
 from loraplex.config import LoRAConfig
@@ -77,7 +81,7 @@ def build_tiers(
     pool = AdapterPool(device_bytes, table.dtype, device)
     residency = AdapterResidency(table, table.dtype, device, pool)
     host = HostCache(host_bytes, table.dtype, pin=device.type == "cuda")
-    return AdapterTiers(residency, pool, host, demand)
+    return AdapterTiers(residency, pool, host, demand, copies=build_async_loads(residency, device))
 
 
 class AdapterTiers:
@@ -89,6 +93,7 @@ class AdapterTiers:
         demand: Demand,
         policy: EvictionPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        copies: AsyncLoads | None = None,
     ) -> None:
         self.residency = residency
         self.pool = pool
@@ -96,6 +101,7 @@ class AdapterTiers:
         self.policy = policy or EvictionPolicy()
         self.demand = demand
         self.clock = clock
+        self.copies = copies  # CUDA: side-stream copies in flight; None: placements copy at once
         # The disk tier: reads a revision's weights (any dtype, any device). None: adapters live
         # only where they were registered, so the host tier keeps every one of them.
         self.source: Source | None = None
@@ -116,12 +122,14 @@ class AdapterTiers:
         self._failed.pop(revision, None)
         copy = self.host.put(revision, weights, keep=self.source is None)
         self.events += 1
-        if revision not in self._loading and self.pool.free_bytes >= self.pool.footprint(copy):
+        if not self._in_flight(revision) and self.pool.free_bytes >= self.pool.footprint(copy):
             self.residency.load(revision, copy)
         return copy
 
     def drop(self, revision: str) -> None:
         """A retired revision nobody holds: free its device room and host copy, forget it."""
+        if self.copies is not None:
+            self.copies.cancel(revision)
         self.residency.evict(revision)
         self.host.drop(revision)
         self.events += 1
@@ -160,8 +168,11 @@ class AdapterTiers:
             self._start(revision)
         return False
 
+    def _in_flight(self, revision: str) -> bool:
+        return revision in self._loading or (self.copies is not None and revision in self.copies)
+
     def _start(self, revision: str) -> None:
-        if revision in self._ready or revision in self._loading:
+        if revision in self._ready or self._in_flight(revision):
             return
         weights = self.host.get(revision)
         if weights is not None:
@@ -180,10 +191,14 @@ class AdapterTiers:
     @property
     def busy(self) -> bool:
         """Loads in flight or waiting for room, or failures the engine has yet to report."""
-        return bool(self._loading or self._ready or self._failed)
+        return bool(self._loading or self._ready or self._failed or self.copies)
 
     def poll(self) -> None:
         """Place every finished load that has room (evicting by policy); on the step thread."""
+        if self.copies:
+            for _ in self.copies.finished():  # side-stream copies complete: now resident
+                self.counts["loads"] += 1
+                self.events += 1
         if not (self._loading or self._ready):
             return
         for revision, future in list(self._loading.items()):
@@ -210,6 +225,8 @@ class AdapterTiers:
         but loads in flight waits here instead of spinning against the loader thread."""
         if self._loading:
             wait(list(self._loading.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+        elif self.copies:
+            self.copies.wait(timeout)
 
     def take_failures(self) -> dict[str, str]:
         """Revisions whose load failed since the last call, with why (cleared, so a later request
@@ -229,6 +246,9 @@ class AdapterTiers:
             return True
         if size > self.pool.free_bytes and not self._make_room(revision, size):
             return False
+        if self.copies is not None:  # resident once the copy completes (counted in `poll`)
+            self.copies.start(revision, weights)
+            return True
         self.residency.load(revision, weights)
         self.counts["loads"] += 1
         self.events += 1
@@ -282,7 +302,7 @@ class AdapterTiers:
             "evictions": self.counts["evictions"],
             "load_failures": self.counts["load_failures"],
             "stalled_requests": self.counts["stalled"],
-            "loading": len(self._loading) + len(self._ready),
+            "loading": len(self._loading) + len(self._ready) + len(self.copies or ()),
         }
 
     def where(self) -> dict[str, list[str]]:
@@ -290,7 +310,9 @@ class AdapterTiers:
         return {
             "device": sorted(self.residency.resident_revisions()),
             "host": sorted(self.host.revisions()),
-            "loading": sorted({*self._loading, *self._ready}),
+            "loading": sorted(
+                {*self._loading, *self._ready, *(self.copies.revisions() if self.copies else ())}
+            ),
         }
 
     def close(self) -> None:

@@ -10,6 +10,14 @@ larger rank), their ratio, and how many such adapters fit in the device pool and
 for the rank mix, the expected bytes per adapter and the adapters per tier. The base weights'
 bytes and the KV bytes per token are reported beside them, since the device pool's budget is what
 is left of the GPU after those. JSON, markdown and a PNG (adapters per tier per rank).
+
+Sub-modes that run the engine (bench/capacity_cli.py adds their flags; torch and the model load
+only then):
+
+    --sweep [--smoke | --h200]   where the cache starts to thrash: adapter count x popularity
+                                 against a fixed device room (bench/capacity_sweep.py)
+    --load-latency               adapter load until its slot is usable vs pinned H2D bandwidth
+                                 (bench/capacity_load.py)
 """
 
 from __future__ import annotations
@@ -70,10 +78,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from loraplex.bench.workloads import parse_ranks
 
-    mc = _model_config(args.shape)
+    shape = args.shape or "llama3-8b"
+    mc = _model_config(shape)
     dtype = torch.bfloat16
     elem = 2
-    targets = [t.strip() for t in args.targets.split(",")] if args.targets != "all" else list(mc.module_dims)
+    chosen = args.targets or "all"
+    targets = [t.strip() for t in chosen.split(",")] if chosen != "all" else list(mc.module_dims)
     unknown = [t for t in targets if t not in mc.module_dims]
     if unknown:
         raise SystemExit(f"--targets: unknown {unknown}; the targets are {', '.join(mc.module_dims)}")
@@ -100,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mean_actual = sum(r["share"] * r["actual_bytes"] for r in per_rank)
     kv_per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * elem
     return {
-        "shape": args.shape,
+        "shape": shape,
         "model": {"layers": mc.num_hidden_layers, "hidden": mc.hidden_size, "vocab": mc.vocab_size},
         "dtype": "bfloat16",
         "targets": targets,
@@ -186,12 +196,17 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("capacity", help="how many adapters fit per residency tier (byte arithmetic)")
-    p.add_argument("--shape", default="llama3-8b", help="llama3-8b, tiny or a model directory")
+    p.add_argument("--shape", default=None, help="llama3-8b (default), tiny or a model directory")
     p.add_argument("--ranks", default="8:0.5,16:0.5", help="rank mix: 16 | 8,16,32 | 8:0.5,16:0.5")
-    p.add_argument("--targets", default="all", help="all or a comma list of q,k,v,o,gate,up,down")
+    p.add_argument(
+        "--targets",
+        default=None,
+        help="all or a comma list of q,k,v,o,gate,up,down (default: all; sweep q,k,v,o)",
+    )
     p.add_argument("--adapter-device-bytes", type=int, default=8 * GIB, help="device pool budget")
     p.add_argument("--adapter-host-bytes", type=int, default=64 * GIB, help="host cache budget")
     p.add_argument("--out", type=Path, default=Path("bench-results/capacity"), help="output directory")
     p.set_defaults(run=_main)
+    return p

@@ -158,7 +158,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from loraplex.bench.registration import add_parser as add_registration  # loads no torch
 
     add_registration(sub)
-    from loraplex.bench.capacity import add_parser as add_capacity  # loads no torch
+    from loraplex.bench.capacity_cli import add_parser as add_capacity  # loads no torch
 
     add_capacity(sub)
 

@@ -134,15 +134,21 @@ def random_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, seed
 
 
 def random_adapter(
-    mc: ModelConfig, rank: int, seed: int, dtype: torch.dtype, device: torch.device
+    mc: ModelConfig,
+    rank: int,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    targets: tuple[str, ...] = TARGETS,
 ) -> ImportedAdapter:
-    """An adapter of exact rank `rank` on all seven targets of every layer, random A and B."""
+    """An adapter of exact rank `rank` on `targets` (default all seven) of every layer, random A
+    and B."""
     gen = torch.Generator(device=device).manual_seed(seed)
     alpha = 2.0 * rank
     pairs: dict[tuple[int, str], LoRAPair] = {}
     modules = []
     for layer in range(mc.num_hidden_layers):
-        for target in TARGETS:
+        for target in targets:
             d_in, d_out = mc.module_dims[target]
             a = torch.randn(rank, d_in, generator=gen, device=device, dtype=dtype) / math.sqrt(d_in)
             b = torch.randn(d_out, rank, generator=gen, device=device, dtype=dtype) * 0.01
@@ -164,7 +170,7 @@ def random_adapter(
         "peft_type": "LORA",
         "base_architecture": mc.architecture,
         "use_rslora": False,
-        "targets": list(TARGETS),
+        "targets": list(targets),
         "source_dtypes": [str(dtype).removeprefix("torch.")],
         "max_rank": rank,
         "modules": modules,

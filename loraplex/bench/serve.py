@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -150,9 +151,19 @@ def _from_checkpoint(
 
 
 def run_in_process(
-    engine: Any, names: list[str], workload: Workload, base_only: bool, progress: bool
-) -> dict[str, Any]:  # noqa: ANN401
-    """Replay `workload` on `engine`; returns the summary (see serve_metrics.summarize)."""
+    engine: Any,  # noqa: ANN401
+    names: list[str],
+    workload: Workload,
+    base_only: bool,
+    progress: bool,
+    tier_of: Callable[[str], str] | None = None,
+    skip_first: int = 0,
+) -> dict[str, Any]:
+    """Replay `workload` on `engine`; returns the summary (see serve_metrics.summarize).
+    `tier_of(adapter name)`: the residency tier the adapter is in as its request arrives (the
+    summary then splits latencies by it). `skip_first`: requests of a lower index are replayed
+    but left out of the summary, whose clock then starts at the first kept arrival (a cold cache
+    warms up in them)."""
     from loraplex.types import SamplingParams
 
     reqs = workload.requests
@@ -181,10 +192,15 @@ def run_in_process(
             params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
             prompt = req.prompt if req.prompt is not None else _prompt_ids(req, vocab, workload.spec.seed)
             arrival = now if concurrency is not None else (req.arrival_s or 0.0)
+            tier = "base" if adapter is None else (tier_of(adapter) if tier_of is not None else None)
             t_add = time.perf_counter() - start
             engine.add_request(rid, prompt, params, adapter)
             timing = RequestTiming(
-                req.index, req.tenant, workload.popularity_class(None if base_only else req.adapter), arrival
+                req.index,
+                req.tenant,
+                workload.popularity_class(None if base_only else req.adapter),
+                arrival,
+                tier=tier,
             )
             timing.admitted_s = time.perf_counter() - start
             timing.resolve_s = timing.admitted_s - t_add
@@ -234,6 +250,11 @@ def run_in_process(
     bar.close()
     busy.stop()  # a no-op unless the window is still open
     wall = time.perf_counter() - start
+    if skip_first:
+        done = [t for t in done if t.index >= skip_first]
+        since = min(t.arrival_s for t in done)
+        steps = [s for s in steps if s.start_s >= since]
+        wall = max(t.finish_s or 0.0 for t in done) - since
     summary = summarize(done, steps, wall, max_num_seqs=engine.config.scheduler.max_num_seqs)
     summary["gpu_busy"] = {"fraction": busy.fraction, "window_s": busy.window_s, "kernels": busy.kernels}
     return summary

@@ -22,6 +22,7 @@ class RequestTiming:
     finish_s: float | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    tier: str | None = None  # the adapter's residency tier at arrival (device/host/disk/base), if known
 
     @property
     def ttft(self) -> float:
@@ -108,9 +109,12 @@ def summarize(
     output = sum(t.output_tokens for t in timings)
     by_class: dict[str, list[RequestTiming]] = defaultdict(list)
     by_tenant: dict[str, list[RequestTiming]] = defaultdict(list)
+    by_tier: dict[str, list[RequestTiming]] = defaultdict(list)
     for t in timings:
         by_class[t.popularity].append(t)
         by_tenant[t.tenant].append(t)
+        if t.tier is not None:
+            by_tier[t.tier].append(t)
     kinds: dict[str, list[StepRecord]] = defaultdict(list)
     buckets: dict[tuple[str, int], list[float]] = defaultdict(list)
     for s in steps:
@@ -128,6 +132,7 @@ def summarize(
         "latency": _latencies(timings),
         "by_popularity": {k: _latencies(v) for k, v in sorted(by_class.items())},
         "by_tenant": {k: _latencies(v) for k, v in sorted(by_tenant.items())},
+        "by_tier": {k: _latencies(v) for k, v in sorted(by_tier.items())},
         "resolve_s": percentiles([t.resolve_s for t in timings]),
         "steps": {
             "count": len(steps),

@@ -1,0 +1,129 @@
+"""Asynchronous adapter loads (adapters/h2d_copy.py) on the CPU, with copies completed by hand.
+
+The copier here writes NaN into the reserved room at once and the real bytes only when the test
+completes its event, so anything that read a slot before its copy completed would see NaN (and
+wrong outputs) instead of passing by luck.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.adapters.device_pool import AdapterPool
+from loraplex.adapters.h2d_copy import AsyncLoads, copy_weights, packed_spans
+from loraplex.adapters.host_cache import HostCache
+from loraplex.adapters.residency import AdapterResidency
+from loraplex.lora.weights import AdapterWeights, LoRAPair, LoRASlotTable
+
+DTYPE = torch.float32
+
+
+class ManualEvent:
+    def __init__(self, dst: AdapterWeights, src: AdapterWeights) -> None:
+        self.dst, self.src, self.done = dst, src, False
+
+    def complete(self) -> None:
+        copy_weights(self.dst, self.src, non_blocking=False)
+        self.done = True
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.complete()
+
+
+class ManualCopier:
+    def __init__(self) -> None:
+        self.events: list[ManualEvent] = []
+
+    def copy(self, dst: AdapterWeights, src: AdapterWeights) -> ManualEvent:
+        for p in dst.pairs.values():
+            p.a.fill_(float("nan"))
+            p.b.fill_(float("nan"))
+        self.events.append(ManualEvent(dst, src))
+        return self.events[-1]
+
+
+def _weights(seed: int, rank: int = 4, layers: int = 2) -> AdapterWeights:
+    g = torch.Generator().manual_seed(seed)
+    pairs = {}
+    for layer in range(layers):
+        for target, (d_in, d_out) in {"q": (24, 24), "down": (40, 24)}.items():
+            a, b = torch.randn(rank, d_in, generator=g), torch.randn(d_out, rank, generator=g)
+            pairs[(layer, target)] = LoRAPair(a, b, 2.0)
+    return AdapterWeights(pairs)
+
+
+def _residency(budget: int) -> AdapterResidency:
+    pool = AdapterPool(budget, DTYPE, "cpu")
+    return AdapterResidency(LoRASlotTable(4, DTYPE), DTYPE, "cpu", pool)
+
+
+def _equal(x: AdapterWeights, y: AdapterWeights) -> bool:
+    return all(
+        torch.equal(x.pairs[k].a, y.pairs[k].a) and torch.equal(x.pairs[k].b, y.pairs[k].b) for k in x.pairs
+    )
+
+
+def test_host_copies_are_packed_like_the_pool_so_a_load_is_one_copy() -> None:
+    res = _residency(1 << 20)
+    host = HostCache(1 << 20, DTYPE).host_copy(_weights(1))
+    assert res.pool is not None
+    dst = res.reserve("r", host)
+    spans = packed_spans(dst, host)
+    assert spans is not None and spans[0].numel() * 4 == res.pool.allocated_of("r")
+    copy_weights(dst, host, non_blocking=False)
+    assert _equal(dst, host)
+    # weights not packed alike (separate tensors) still copy right, pair by pair
+    loose = _weights(2)
+    assert packed_spans(dst, loose) is None
+    copy_weights(dst, loose, non_blocking=False)
+    assert _equal(dst, loose)
+
+
+def test_a_load_is_resident_only_once_its_copy_completed() -> None:
+    res = _residency(1 << 20)
+    copier = ManualCopier()
+    loads = AsyncLoads(res, copier)
+    host = HostCache(1 << 20, DTYPE).host_copy(_weights(3))
+    loads.start("r", host)
+    assert "r" in loads and not res.is_resident("r") and "r" in res.pool.in_flight  # type: ignore[union-attr]
+    assert loads.finished() == [] and not res.is_resident("r")
+    copier.events[0].complete()
+    assert loads.finished() == ["r"] and res.is_resident("r") and "r" not in loads
+    assert _equal(res.weights("r"), host)
+    assert len(loads.latencies) == 1 and loads.latencies[0][0] == host.nbytes
+
+
+def test_compaction_never_moves_a_load_in_flight() -> None:
+    unit = AdapterPool(1 << 20, DTYPE, "cpu").footprint(_weights(0))  # a 2-layer adapter
+    res = _residency(6 * unit)
+    pool = res.pool
+    assert pool is not None
+    copier = ManualCopier()
+    loads = AsyncLoads(res, copier)
+    res.load("a0", _weights(10))  # [0]
+    res.load("a1", _weights(11, layers=4))  # [1, 2]
+    res.load("a2", _weights(12))  # [3]
+    x = HostCache(1 << 20, DTYPE).host_copy(_weights(4))
+    loads.start("x", x)  # [4], in flight
+    res.evict("a0")
+    res.evict("a2")  # holes at 0, 3 and 5: moving x (1 unit) would be cheaper than a1 (2)
+    start_x = pool._extents["x"].start
+    res.load("big", _weights(5, layers=4))
+    assert pool._extents["x"].start == start_x and pool.compactions == 1
+    pool.check_integrity()
+    copier.events[0].complete()
+    assert loads.finished() == ["x"] and _equal(res.weights("x"), x)
+    assert _equal(res.weights("a1"), _weights(11, layers=4))
+
+
+def test_cancel_gives_the_room_back() -> None:
+    res = _residency(1 << 20)
+    loads = AsyncLoads(res, ManualCopier())
+    loads.start("r", HostCache(1 << 20, DTYPE).host_copy(_weights(7)))
+    assert res.pool is not None and res.pool.allocated_bytes > 0
+    loads.cancel("r")
+    assert res.pool.allocated_bytes == 0 and "r" not in loads and not res.is_resident("r")
