@@ -400,9 +400,10 @@ class TritonLoRABackend:
         shrink_stages = tiling.shrink_stages_for(step.block_r, plan.split.k_chunk // tiling.block_k)
         self._k.lora_shrink_pdl_kernel[(tiles * g.r_chunks, n_split)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
-            n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, row_shift, call.slice_mask, plan.split.k_chunk,
-            BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // g.r_chunks, num_warps=tiling.split_shrink_warps,
-            FOR_LOOP=x.device.type == "cuda", **dict(common, num_stages=shrink_stages),
+            n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, row_shift, call.slice_mask,
+            plan.split.k_chunk, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // g.r_chunks,
+            num_warps=tiling.split_shrink_warps, FOR_LOOP=x.device.type == "cuda",
+            **dict(common, num_stages=shrink_stages),
         )  # fmt: skip
         # the expands' unrolled partial loads, bucketed (`split_cap`)
         common["N_SPLIT"] = split_cap(n_split, tiling.split_max_k_chunks)

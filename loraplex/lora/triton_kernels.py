@@ -22,7 +22,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loraplex.lora.triton_parts import _shrink_tile, _slice_columns, _slice_entries, _slice_entry, _sum_partials
+from loraplex.lora.triton_parts import (
+    _shrink_tile,
+    _slice_columns,
+    _slice_entries,
+    _slice_entry,
+    _sum_partials,
+)
 from loraplex.lora.triton_split import lora_expand_pdl_kernel, lora_expand_rows_kernel, lora_shrink_pdl_kernel
 
 # The values that change from step to step (row and segment counts, table capacity, which slices

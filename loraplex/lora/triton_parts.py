@@ -39,7 +39,9 @@ def _slice_entry(w_base, off_tab, rank_tab, n_slots, slot, i, W_ALIGN: tl.conste
 
 
 @triton.jit
-def _slice_entries(w_base, tab, rank_tab, n_slots, slot, slice_mask, N_SLICES: tl.constexpr, W_ALIGN: tl.constexpr):
+def _slice_entries(
+    w_base, tab, rank_tab, n_slots, slot, slice_mask, N_SLICES: tl.constexpr, W_ALIGN: tl.constexpr
+):
     """(pointer, rank) of slices 0, 1, 2 for this slot (slices past N_SLICES repeat slice 0, and
     are never read), ranks zeroed for the slices outside the runtime `slice_mask` (no adapter of
     the step adapts them: their loads are masked off), and the largest rank left."""

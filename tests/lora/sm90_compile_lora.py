@@ -50,9 +50,7 @@ def kernels() -> dict[str, tuple]:
             4,
         )
     for name, block_m, block_k, split in (("decode", 16, 128, 16), ("prefill", 64, 64, 4)):
-        consts = dict(
-            COMMON, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_RC=16, FOR_LOOP=True
-        )
+        consts = dict(COMMON, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_RC=16, FOR_LOOP=True)
         out[f"shrink_{name}"] = (tk.lora_shrink_kernel, consts, 4, 3)
         consts = dict(COMMON, COLS_ALIGNED=True, BLOCK_M=block_m, BLOCK_N=128, N_SPLIT=split)
         out[f"expand_{name}"] = (tk.lora_expand_kernel, dict(consts, N_CHUNK=512), 4, 3)
