@@ -12,7 +12,6 @@ import gc
 import itertools
 import operator
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -447,16 +446,11 @@ class Engine:
         return self.static_decode_runner(max_batch, capture=True)
 
     def _warm_up(self, config: EngineConfig, progress: bool) -> float:
-        """Seconds spent capturing every decode graph up front (CUDA, `capture_at_startup`)."""
-        static = self.runner.static_decode
-        if static is None or not static.capture or not config.graphs.capture_at_startup:
-            return 0.0
-        t0 = time.perf_counter()
-        added = static.warm_up(config.lora.max_rank, progress)
-        seconds = time.perf_counter() - t0
-        if progress:
-            print(f"captured {added} decode graphs in {seconds:.1f} s", file=sys.stderr)
-        return seconds
+        """Seconds spent compiling every kernel variant and capturing every decode graph up front
+        (CUDA, `capture_at_startup`; `engine/warmup.py`)."""
+        from loraplex.engine.warmup import warm_up
+
+        return warm_up(self, config, progress)
 
     def static_decode_runner(self, max_batch: int, capture: bool) -> StaticDecodeRunner:
         """A decode runner over this engine's model, KV cache and LoRA table (capture=False: the

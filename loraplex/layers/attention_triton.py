@@ -144,7 +144,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The block table's row stride is the longest block table of an eager step: a runtime value (a
+# specialization on it, == 1 or divisible by 16, would compile variants mid-serving).
+@triton.jit(do_not_specialize=["stride_bt"])
 def decode_kernel(
     q_ptr,
     k_cache,
@@ -261,7 +263,7 @@ def decode_combine_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def prefill_kernel(
     q_ptr,
     k_cache,

@@ -31,6 +31,7 @@ from loraplex.lora.triton_config import (
     pick_tiling,
     plan_split,
     row_loop_applies,
+    split_cap,
     split_k,
 )
 from loraplex.lora.triton_table import GroupTables, LoRADeviceTable, SegmentTables, target_bit
@@ -318,11 +319,10 @@ class TritonLoRABackend:
         h = self._scratch((g.split.n_split, g.n_slices, num_rows, step.block_r), x.device)
         k.lora_shrink_kernel[k.shrink_grid(g.n_segs * g.r_chunks, g.row_tiles, g.split.n_split)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, c.tabs.a_offs, c.tabs.ranks,
-            dev.n_slots, d_in, x.stride(0), num_rows, g.row_tiles,
-            N_SLICES=g.n_slices, SLICE_MASK=c.slice_mask, RANK_ALIGNED=dev.rank_aligned,
-            W_ALIGN=16 // dev.base.element_size(),
+            dev.n_slots, d_in, x.stride(0), num_rows, g.row_tiles, c.slice_mask, g.split.k_chunk,
+            N_SLICES=g.n_slices, W_ALIGN=16 // dev.base.element_size(),
             BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k, BLOCK_R=step.block_r,
-            BLOCK_RC=step.block_r // g.r_chunks, K_CHUNK=g.split.k_chunk,
+            BLOCK_RC=step.block_r // g.r_chunks, FOR_LOOP=x.device.type == "cuda",
             num_warps=tiling.shrink_warps, num_stages=tiling.shrink_stages,
         )  # fmt: skip
         return h
@@ -334,11 +334,11 @@ class TritonLoRABackend:
         k.lora_expand_kernel[grid](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots,
             c.tabs.b_offs, c.tabs.ranks, c.tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows,
-            g.row_tiles, *cols,
-            N_SLICES=g.n_slices, SLICE_MASK=c.slice_mask, RANK_ALIGNED=dev.rank_aligned,
-            W_ALIGN=16 // dev.base.element_size(), COLS_ALIGNED=all(v % 8 == 0 for v in cols),
+            g.row_tiles, *cols, c.slice_mask, g.split.n_split,
+            N_SLICES=g.n_slices, W_ALIGN=16 // dev.base.element_size(),
+            COLS_ALIGNED=all(v % 8 == 0 for v in cols),
             BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_R=step.block_r,
-            N_SPLIT=g.split.n_split, N_CHUNK=tiling.n_chunk,
+            N_SPLIT=split_cap(g.split.n_split, tiling.max_split), N_CHUNK=tiling.n_chunk,
             num_warps=tiling.expand_warps, num_stages=tiling.expand_stages,
         )  # fmt: skip
 
@@ -387,28 +387,35 @@ class TritonLoRABackend:
         tabs, n_cols = call.tabs, dev.n_slots
         if call.seg_tabs is not None:
             tabs, n_cols = call.seg_tabs, meta.num_segments
+        n_split = plan.split.n_split
         common = dict(
-            N_SLICES=g.n_slices, RANK_ALIGNED=dev.rank_aligned, W_ALIGN=16 // dev.base.element_size(),
-            BLOCK_M=tiling.block_m, BLOCK_R=step.block_r, N_SPLIT=plan.split.n_split, USE_PDL=use_pdl,
-            SEG_TABLES=call.seg_tabs is not None, num_stages=tiling.split_stages, **pdl,
+            N_SLICES=g.n_slices, W_ALIGN=16 // dev.base.element_size(), BLOCK_M=tiling.block_m,
+            BLOCK_R=step.block_r, USE_PDL=use_pdl, SEG_TABLES=call.seg_tabs is not None,
+            num_stages=tiling.split_stages, **pdl,
         )  # fmt: skip
+        # row tiles per segment as a power of two (a shift in the kernels; 1 or 2 at the decode
+        # tiling, where this pads nothing); the plan is the one made for the real count
+        row_shift = (g.row_tiles - 1).bit_length()
+        tiles = g.n_segs << row_shift
         shrink_stages = tiling.shrink_stages_for(step.block_r, plan.split.k_chunk // tiling.block_k)
-        self._k.lora_shrink_pdl_kernel[(plan.n_shrink,)](
+        self._k.lora_shrink_pdl_kernel[(tiles * g.r_chunks, n_split)](
             x, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.a_offs, tabs.ranks,
-            n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, g.row_tiles,
-            SLICE_MASK=call.slice_mask, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // g.r_chunks,
-            K_CHUNK=plan.split.k_chunk, num_warps=tiling.split_shrink_warps,
+            n_cols, x.shape[1], x.stride(0), meta.num_lora_rows, row_shift, call.slice_mask,
+            plan.split.k_chunk, BLOCK_K=tiling.block_k, BLOCK_RC=step.block_r // g.r_chunks,
+            num_warps=tiling.split_shrink_warps, FOR_LOOP=x.device.type == "cuda",
             **dict(common, num_stages=shrink_stages),
         )  # fmt: skip
+        # the expands' unrolled partial loads, bucketed (`split_cap`)
+        common["N_SPLIT"] = split_cap(n_split, tiling.split_max_k_chunks)
         if row_loop_applies(tiling, meta.num_lora_rows, meta.num_segments, step.block_r, sum(widths)):
             expand = dict(common, num_warps=tiling.split_expand_warps)
-            self._launch_expand_rows(y, h, meta, call, tiling, tabs, n_cols, widths, expand)
+            self._launch_expand_rows(y, h, meta, call, tiling, tabs, n_cols, widths, n_split, expand)
             return True
         ch = plan.chunks
-        self._k.lora_expand_pdl_kernel[(plan.n_expand,)](
+        self._k.lora_expand_pdl_kernel[(tiles * sum(ch),)](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots, tabs.b_offs, tabs.ranks,
-            tabs.scales, n_cols, y.stride(0), meta.num_lora_rows, g.row_tiles, *cols,
-            ch[0], ch[0] + ch[1], sum(ch),
+            tabs.scales, n_cols, y.stride(0), meta.num_lora_rows, row_shift, *cols,
+            ch[0], ch[0] + ch[1], sum(ch), n_split,
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=plan.block_n,
             num_warps=tiling.split_expand_warps, **common,
         )  # fmt: skip
@@ -424,6 +431,7 @@ class TritonLoRABackend:
         tabs: GroupTables,
         n_cols: int,
         widths: tuple[int, ...],
+        n_split: int,
         common: dict,
     ) -> None:
         """The split launch's expand as the row-loop kernel: row tiles of the segment order
@@ -437,7 +445,7 @@ class TritonLoRABackend:
         self._k.lora_expand_rows_kernel[(_cdiv(num_rows, tiling.block_m) * sum(ch),)](
             y, g.dev.base, h, meta.row_perm, self._row_segments(g.step), meta.seg_slots, tabs.b_offs,
             tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
-            ch[0], ch[0] + ch[1], sum(ch),
+            ch[0], ch[0] + ch[1], sum(ch), n_split,
             COLS_ALIGNED=all(c % 8 == 0 for c in cols), BLOCK_N=block_n, FOR_LOOP=cuda, TABLE_ASM=cuda,
             **common,
         )  # fmt: skip

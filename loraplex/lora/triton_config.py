@@ -84,9 +84,10 @@ class DecodeTiling(TwoLaunchTiling):
 
     def shrink_stages_for(self, block_r: int, k_steps: int) -> int:
         """Pipeline stages of the shrink launch (more buffers than K steps would only take shared
-        memory)."""
+        memory). The stage count is a compile-time option, so K steps + 2 is rounded up to an even
+        count: at most three variants (4, 6, 8 at the default) where every K step count was one."""
         if block_r <= 16:
-            return min(self.split_narrow_shrink_stages, k_steps + 2)
+            return min(self.split_narrow_shrink_stages, k_steps + 2 + (k_steps & 1))
         return self.split_stages
 
 
@@ -197,6 +198,15 @@ def row_loop_applies(
     if block_r is not None and block_r > tiling.row_loop_max_rank:
         return False
     return width is None or width >= tiling.row_loop_min_width
+
+
+def split_cap(n_split: int, most: int = 1 << 30) -> int:
+    """The expand kernels' unrolled partial loads for a shrink of n_split K chunks: the next power
+    of two, at least 8 (and at most the next power of two of `most`, the tiling's own bound). A
+    compile-time constant, so bucketed: three variants (8, 16, 32) where every split count was
+    one; the loads past n_split are predicated off (no bytes, a few instructions each)."""
+    cap = max(8, 1 << (max(n_split, 1) - 1).bit_length())
+    return min(cap, 1 << (max(most, 1) - 1).bit_length())
 
 
 def block_r_for(max_rank: int) -> int:

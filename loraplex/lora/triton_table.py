@@ -8,9 +8,10 @@ is padded, and adapters of different ranks share one launch. The tables are rebu
 
 CUDA graphs record these tables' addresses, so a rebuild writes into the same device tensors
 whenever they are large enough (the capacity grows in powers of two); `epoch` counts the times
-they had to be reallocated (or a compile-time property such as `rank_aligned` changed), which
-invalidates captured graphs. The last slot column is the *null slot* (rank 0 everywhere): the
-empty segments of a captured step point at it, so they read no weights.
+they had to be reallocated, which invalidates captured graphs. Every rank in the tables is a
+multiple of 8 (`_padded_pair`), so no adapter's rank changes what the kernels compile. The last
+slot column is the *null slot* (rank 0 everywhere): the empty segments of a captured step point
+at it, so they read no weights.
 """
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone()
 
 
+def _padded_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(A, B, rank) as the kernels read them: the rank a multiple of 8, so that B's rows start
+    16-byte aligned for every adapter and the kernels need no variant for unaligned ranks. Other
+    ranks are padded with zero rows of A and zero columns of B (a copy, on the weights' device):
+    the padded columns of H are exact zeros, and so are their products with B, so the result is
+    the same as at the adapter's own rank (the kernels' rank tile already padded with zeros)."""
+    rank = int(a.shape[0])
+    if rank % 8 == 0:
+        return _kernel_ready(a), _kernel_ready(b), rank
+    padded = rank + (-rank) % 8
+    pa = a.new_zeros((padded, a.shape[1]))
+    pa[:rank] = a
+    pb = b.new_zeros((b.shape[0], padded))
+    pb[:, :rank] = b
+    return pa, pb, padded
+
+
 class LoRADeviceTable:
     """Address/rank/scale tables of every (layer, target) and slot, on one device."""
 
@@ -59,11 +77,11 @@ class LoRADeviceTable:
         self.dtype: torch.dtype | None = None
         self.base = torch.empty(0)  # weights' dtype; every table entry is an offset from here
         self.n_slots = 0  # columns of the tables (capacity; the last is the null slot)
-        self.rank_aligned = True  # every rank a multiple of 8 (lets the kernels vectorize B loads)
         self.slot_coverage: dict[int, int] = {}  # slot -> OR of target_bit over its pairs
         self.slot_max_rank: dict[int, int] = {}
         self.dims: dict[tuple[int, str], tuple[int, int]] = {}  # (layer, target) -> (d_in, d_out)
         self._keep: list[torch.Tensor] = []  # holds every tensor whose address is in the tables
+        self._padded: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._a = self._b = self._r = self._s = torch.empty(0)
         self._views: dict[tuple[int, str], GroupTables] = {}  # slicing costs microseconds per call
 
@@ -97,6 +115,7 @@ class LoRADeviceTable:
         r = torch.zeros(a.shape, dtype=torch.int32)
         s = torch.zeros(a.shape, dtype=torch.float32)
         keep = [base]
+        padded: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         coverage: dict[int, int] = {}
         max_rank: dict[int, int] = {}
         dims: dict[tuple[int, str], tuple[int, int]] = {}
@@ -111,8 +130,9 @@ class LoRADeviceTable:
                     raise ValueError(f"slot {slot} ({layer}, {target}): B {tuple(pair.b.shape)}, rank {rank}")
                 if dims.setdefault((layer, target), (d_in, d_out)) != (d_in, d_out):
                     raise ValueError(f"slot {slot} ({layer}, {target}): shape differs from other adapters")
-                pa, pb = _kernel_ready(pair.a), _kernel_ready(pair.b)
-                keep += [pa, pb]
+                key = (pair.a.data_ptr(), pair.b.data_ptr(), rank)
+                pa, pb, rank = padded[key] = self._padded.get(key) or _padded_pair(pair.a, pair.b)
+                keep += [pa, pb, pair.a, pair.b]
                 row = layer * len(TARGETS) + _TARGET_INDEX[target]
                 a[row, slot] = (pa.data_ptr() - base.data_ptr()) // elem
                 b[row, slot] = (pb.data_ptr() - base.data_ptr()) // elem
@@ -120,11 +140,9 @@ class LoRADeviceTable:
                 mask |= target_bit(layer, target)
                 max_rank[slot] = max(max_rank.get(slot, 0), rank)
             coverage[slot] = mask
-        rank_aligned = bool((r % 8 == 0).all())
-        if realloc or rank_aligned != self.rank_aligned:
+        if realloc:
             self.epoch += 1
         self.dtype, self.base = (dtype if items or table.dtype is not None else self.dtype), base
-        self.rank_aligned = rank_aligned
         if realloc:
             self.n_slots = n_slots
             self._a, self._b = a.to(self.device), b.to(self.device)
@@ -134,6 +152,7 @@ class LoRADeviceTable:
             for dst, src in ((self._a, a), (self._b, b), (self._r, r), (self._s, s)):
                 dst.copy_(src)
         self._keep = keep
+        self._padded = padded  # the padded copies of odd-rank pairs, reused by the next rebuild
         self.slot_coverage, self.slot_max_rank, self.dims = coverage, max_rank, dims
 
     @property

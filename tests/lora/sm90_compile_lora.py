@@ -23,8 +23,8 @@ POINTERS.update(
     {name: "*i64" for name in ("row_perm_ptr", "seg_offsets_ptr", "seg_slots_ptr", "a_tab", "b_tab")}
 )
 
-COMMON = dict(N_SLICES=3, RANK_ALIGNED=True, W_ALIGN=8, BLOCK_R=16)
-SHRINK = dict(SLICE_MASK=7, BLOCK_K=128, BLOCK_RC=16, K_CHUNK=256)
+COMMON = dict(N_SLICES=3, W_ALIGN=8, BLOCK_R=16)
+SHRINK = dict(BLOCK_K=128, BLOCK_RC=16)
 EXPAND = dict(COLS_ALIGNED=True, BLOCK_N=256)
 
 
@@ -34,7 +34,7 @@ def kernels() -> dict[str, tuple]:
     for pdl in (0, 1):
         out[f"shrink_pdl{pdl}"] = (
             tk.lora_shrink_pdl_kernel,
-            dict(COMMON, **SHRINK, BLOCK_M=16, N_SPLIT=16, USE_PDL=pdl, SEG_TABLES=bool(pdl)),
+            dict(COMMON, **SHRINK, BLOCK_M=16, USE_PDL=pdl, SEG_TABLES=bool(pdl), FOR_LOOP=True),
             2,
             3,
         )
@@ -50,17 +50,15 @@ def kernels() -> dict[str, tuple]:
             4,
         )
     for name, block_m, block_k, split in (("decode", 16, 128, 16), ("prefill", 64, 64, 4)):
-        consts = dict(
-            COMMON, SLICE_MASK=7, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_RC=16, K_CHUNK=2 * block_k
-        )
+        consts = dict(COMMON, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_RC=16, FOR_LOOP=True)
         out[f"shrink_{name}"] = (tk.lora_shrink_kernel, consts, 4, 3)
-        consts = dict(COMMON, SLICE_MASK=7, COLS_ALIGNED=True, BLOCK_M=block_m, BLOCK_N=128, N_SPLIT=split)
+        consts = dict(COMMON, COLS_ALIGNED=True, BLOCK_M=block_m, BLOCK_N=128, N_SPLIT=split)
         out[f"expand_{name}"] = (tk.lora_expand_kernel, dict(consts, N_CHUNK=512), 4, 3)
     return out
 
 
 # what a launch declares aligned (torch's allocations, and the Llama-3 shapes' strides and sizes)
-DIVISIBLE = frozenset(POINTERS) | {"stride_xm", "stride_ym", "d_in", "num_rows"}
+DIVISIBLE = frozenset(POINTERS) | {"stride_xm", "stride_ym", "d_in", "num_rows", "k_chunk"}
 
 
 def check_vector_loads(name: str, ptx: str) -> None:
