@@ -48,6 +48,9 @@ class PoolFullError(RuntimeError):
     """No room for an adapter in the pool (the message says how many bytes, and why)."""
 
 
+_LAYOUT_MEMO = 256  # adapters whose layout a pool remembers
+
+
 def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -69,6 +72,9 @@ class _Extent:
     actual: int  # the pairs' own bytes
     pairs: tuple[_Pair, ...]
     generation: int = 0
+    # the views at `start`, made once (hundreds of tensor views cost milliseconds of host time
+    # on a load's path; reserve and commit both ask for them)
+    cached: tuple[int, AdapterWeights] | None = None
 
 
 def layout(weights: AdapterWeights, elem: int) -> tuple[tuple[_Pair, ...], int, int]:
@@ -97,11 +103,12 @@ def layout(weights: AdapterWeights, elem: int) -> tuple[tuple[_Pair, ...], int, 
 def views(flat: torch.Tensor, start: int, pairs: tuple[_Pair, ...]) -> AdapterWeights:
     """The pairs of an extent starting `start` bytes into the 1-D tensor `flat`, as views."""
     elem = flat.element_size()
+    view = flat.as_strided  # one call per tensor (a slice then a view would be two)
     out = {}
     for p in pairs:
-        a0, b0 = (start + p.a_off) // elem, (start + p.b_off) // elem
-        a = flat[a0 : a0 + p.a_shape[0] * p.a_shape[1]].view(p.a_shape)
-        b = flat[b0 : b0 + p.b_shape[0] * p.b_shape[1]].view(p.b_shape)
+        ca, cb = p.a_shape[1], p.b_shape[1]
+        a = view(p.a_shape, (ca, 1), (start + p.a_off) // elem)
+        b = view(p.b_shape, (cb, 1), (start + p.b_off) // elem)
         out[p.key] = LoRAPair(a, b, p.scale)
     return AdapterWeights(out)
 
@@ -122,6 +129,7 @@ class AdapterPool:
         if not dtype.is_floating_point:
             raise ValueError(f"adapter pool dtype must be a floating type, got {dtype}")
         self.dtype = dtype
+        self._layouts: dict[int, tuple[AdapterWeights, tuple[tuple[_Pair, ...], int, int]]] = {}
         self.elem = torch.empty(0, dtype=dtype).element_size()
         self.budget_bytes = budget_bytes // ALIGN * ALIGN
         self.buffer = torch.empty(self.budget_bytes // self.elem, dtype=dtype, device=device)
@@ -192,7 +200,9 @@ class AdapterPool:
     def weights(self, key: str) -> AdapterWeights:
         """`key`'s weights as views into the pool at its current place."""
         ext = self._extents[key]
-        return views(self.buffer, ext.start, ext.pairs)
+        if ext.cached is None or ext.cached[0] != ext.start:
+            ext.cached = (ext.start, views(self.buffer, ext.start, ext.pairs))
+        return ext.cached[1]
 
     # --- placing and freeing --------------------------------------------------------------------
 
@@ -247,7 +257,16 @@ class AdapterPool:
     # --- internals ------------------------------------------------------------------------------
 
     def _layout(self, weights: AdapterWeights) -> tuple[tuple[_Pair, ...], int, int]:
-        return layout(weights, self.elem)
+        # The host tier hands the same weights object to every reload of an adapter: its layout
+        # (a pass over hundreds of pairs) is kept for the most recent ones.
+        hit = self._layouts.get(id(weights))
+        if hit is not None and hit[0] is weights:
+            return hit[1]
+        result = layout(weights, self.elem)
+        if len(self._layouts) >= _LAYOUT_MEMO:
+            del self._layouts[next(iter(self._layouts))]
+        self._layouts[id(weights)] = (weights, result)
+        return result
 
     def _ordered(self) -> list[tuple[str, _Extent]]:
         return sorted(self._extents.items(), key=lambda kv: kv[1].start)
