@@ -96,7 +96,8 @@ def main(argv: list[str]) -> int:
     server.async_engine.start()
     port = sock.getsockname()[1]
     print(json.dumps({"port": port, "adapters": names, "vocab": engine.model_config.vocab_size}), flush=True)
-    config = uvicorn.Config(server.app, log_level="warning", access_log=False)
+    # keep-alive as long as a run: an idle pooled connection the server closed would fail a request
+    config = uvicorn.Config(server.app, log_level="warning", access_log=False, timeout_keep_alive=3600)
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     finally:
