@@ -47,7 +47,8 @@ def _engine(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from dataclasses import fields, replace
 
-    from loraplex.bench.serve import ServeBenchArgs, run
+    from loraplex.bench.serve import run
+    from loraplex.bench.serve_model import ServeBenchArgs
     from loraplex.bench.workloads import WorkloadSpec
 
     given = {f.name: getattr(args, f.name) for f in fields(WorkloadSpec) if getattr(args, f.name) is not None}
@@ -72,10 +73,12 @@ def _serve(args: argparse.Namespace) -> int:
             bench = replace(bench, base_compare=False)
         if args.hf_compare:
             bench = replace(bench, hf_compare=True)
+        if args.http_compare:
+            bench = replace(bench, http_compare=True)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     report = run(bench, args.out, progress=not args.quiet)
-    for name in ("adapters", "base_only"):
+    for name in ("adapters", "base_only", "http"):
         if name in report:
             r = report[name]
             lat = r["latency"]
@@ -86,6 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
     ratios = report.get("ratios", {})
     if "output_tokens_per_s_vs_base" in ratios:
         print(f"with adapters / base-only: {ratios['output_tokens_per_s_vs_base']:.3f}")
+    if "output_tokens_per_s_http_vs_in_process" in ratios:
+        print(f"over HTTP / in-process: {ratios['output_tokens_per_s_http_vs_in_process']:.3f}")
     if "output_tokens_per_s_vs_hf_peft" in ratios:
         print(f"with adapters / transformers + PEFT: {ratios['output_tokens_per_s_vs_hf_peft']:.2f}")
     print(f"wrote {args.out}/serve.json, serve.md, serve.png")
@@ -137,6 +142,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--hf-compare",
         action="store_true",
         help="also run the workload through transformers + PEFT (model and adapters from directories)",
+    )
+    s.add_argument(
+        "--http-compare",
+        action="store_true",
+        help="also the workload over HTTP, against a server on the same engine in its own process",
     )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     for name, kind, text in (

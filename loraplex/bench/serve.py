@@ -6,12 +6,13 @@ arrivals are added when their time comes) and the engine steps in between; every
 rows, adapters and duration are recorded. The same workload base-only runs in the same process,
 so the report states the ratio. Over HTTP (`--url`), streaming completions with token-id
 prompts go to the server's adapters (the k-th adapter the server lists serves adapter index k,
-wrapping round).
+wrapping round). With `--http-compare` the same workload also runs over HTTP against a server on
+the same engine that the bench starts in a process of its own (bench/serve_server.py), and the
+report states HTTP / in-process output tokens/s.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -20,42 +21,10 @@ from typing import Any
 
 from loraplex.bench.gpu_busy import BusyWindow
 from loraplex.bench.serve_metrics import RequestTiming, StepRecord, summarize
-from loraplex.bench.workloads import Workload, WorkloadRequest, WorkloadSpec, generate
+from loraplex.bench.serve_model import ServeBenchArgs, build_engine, prompt_ids
+from loraplex.bench.workloads import Workload, WorkloadRequest, generate
 
 BUSY_STEPS = 64
-
-
-@dataclass(frozen=True)
-class ServeBenchArgs:
-    workload: WorkloadSpec
-    device: str = "cpu"
-    model: str | None = None  # a model directory; None: the demo model (smoke) or random weights
-    random_layers: int | None = None  # random Llama-3-8B-shaped weights with this many layers
-    random_shape: str = "llama3-8b"  # or "tiny" (a CPU-sized model of the same architecture)
-    workdir: str = "bench-results/serve-checkpoint"  # random weights as files, for --hf-compare
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    base_compare: bool = True
-    url: str | None = None  # benchmark a running server instead
-    api_key: str | None = None
-    smoke: bool = False
-    warmup_requests: int = 8  # replayed untimed before the measured runs (in-process)
-    hf_compare: bool = False  # also run transformers + PEFT (needs a model and adapter directories)
-
-    @classmethod
-    def smoke_args(cls, **overrides: Any) -> ServeBenchArgs:  # noqa: ANN401
-        """The CPU demo model: its four adapters, prompts and outputs that fit its 64-token context."""
-        spec = WorkloadSpec(
-            seed=0,
-            num_requests=48,
-            num_adapters=4,
-            popularity="zipf:1.0",
-            base_share=0.2,
-            prompt_len="uniform:4:24",
-            output_len="uniform:8:32",
-            arrivals="closed:8",
-        )
-        return replace(cls(workload=spec, max_num_seqs=16, smoke=True), **overrides)
 
 
 @dataclass
@@ -63,91 +32,6 @@ class _Live:
     req: WorkloadRequest
     timing: RequestTiming
     last_tokens: int = 0
-
-
-def _prompt_ids(req: WorkloadRequest, vocab: int, seed: int) -> list[int]:
-    rng = random.Random(seed * 1_000_003 + req.index)
-    return [rng.randrange(4, vocab) for _ in range(req.prompt_len)]
-
-
-def _sized_config(args: ServeBenchArgs, workload: Workload, model_dir: str, dtype: str, sched: Any) -> Any:  # noqa: ANN401
-    """An engine config whose context fits the workload's longest request and whose LoRA rank
-    limit fits its adapters."""
-    from loraplex.config import CacheConfig, EngineConfig, LoRAConfig
-
-    longest = max(r.prompt_len + r.output_len for r in workload.requests)
-    return EngineConfig(
-        model_dir=model_dir,
-        dtype=dtype,
-        device=args.device,
-        cache=CacheConfig(block_size=16, max_model_len=longest + 1),
-        lora=LoRAConfig(max_rank=max([64, *workload.adapter_ranks])),
-        scheduler=sched,
-    )
-
-
-def _build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[str], dict[str, str]]:  # noqa: ANN401
-    """The engine, the adapter name of each adapter index, and the directory of each adapter
-    that came from one (the transformers + PEFT baseline loads those)."""
-    import torch
-
-    from loraplex.config import EngineConfig, SchedulerConfig
-    from loraplex.engine.engine import Engine
-
-    spec = args.workload
-    sched = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-    )
-    if args.smoke or (args.model is None and args.random_layers is None):
-        from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
-
-        engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=args.device, scheduler=sched))
-        demo = list(DEMO_ADAPTERS.items())
-        names = []
-        for i in range(spec.num_adapters):
-            name, path = demo[i % len(demo)]
-            names.append(engine.register_adapter(name, path).name)
-        return engine, names, {name: str(path) for name, path in demo}
-    if args.model is not None:
-        dtype = "float32" if args.device == "cpu" else "bfloat16"
-        engine = Engine(EngineConfig(model_dir=args.model, device=args.device, dtype=dtype, scheduler=sched))
-    else:
-        from loraplex.bench.engine import llama3_8b_hf_dict, random_model, tiny_hf_dict
-        from loraplex.config import ModelConfig
-
-        if args.random_shape not in ("llama3-8b", "tiny"):
-            raise ValueError(f"unknown random shape {args.random_shape!r}; use llama3-8b or tiny")
-        hf_dict = (tiny_hf_dict if args.random_shape == "tiny" else llama3_8b_hf_dict)(args.random_layers)
-        if args.hf_compare:
-            return _from_checkpoint(args, workload, hf_dict, sched)
-        mc = ModelConfig.from_hf_dict(hf_dict)
-        config = _sized_config(args, workload, "<random weights>", "bfloat16", sched)
-        engine = Engine(config, model=random_model(mc, torch.bfloat16, torch.device(args.device), spec.seed))
-    from loraplex.bench.engine import random_adapter
-
-    names = []
-    for i, rank in enumerate(workload.adapter_ranks):
-        imported = random_adapter(
-            engine.model_config, rank, 1000 + i, engine.config.torch_dtype, engine.device
-        )
-        names.append(engine.register_imported(f"bench-{i}", imported).name)
-    return engine, names, {}
-
-
-def _from_checkpoint(
-    args: ServeBenchArgs, workload: Workload, hf_dict: dict[str, Any], sched: Any
-) -> tuple[Any, list[str], dict[str, str]]:  # noqa: ANN401
-    """Random weights written as files first, so that transformers + PEFT load the same ones."""
-    from loraplex.bench.serve_checkpoint import write_random_checkpoint
-    from loraplex.engine.engine import Engine
-
-    model_dir, adapter_dirs = write_random_checkpoint(
-        hf_dict, workload.adapter_ranks, Path(args.workdir), args.device, args.workload.seed
-    )
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
-    engine = Engine(_sized_config(args, workload, model_dir, dtype, sched))
-    names = [engine.register_adapter(name, path).name for name, path in adapter_dirs.items()]
-    return engine, names, adapter_dirs
 
 
 def run_in_process(
@@ -190,7 +74,7 @@ def run_in_process(
             rid = f"w{req.index}"
             adapter = None if base_only or req.adapter is None else names[req.adapter]
             params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-            prompt = req.prompt if req.prompt is not None else _prompt_ids(req, vocab, workload.spec.seed)
+            prompt = req.prompt if req.prompt is not None else prompt_ids(req, vocab, workload.spec.seed)
             arrival = now if concurrency is not None else (req.arrival_s or 0.0)
             tier = "base" if adapter is None else (tier_of(adapter) if tier_of is not None else None)
             t_add = time.perf_counter() - start
@@ -279,7 +163,9 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
         report["mode"] = "http"
         report["adapters"] = run_http(args.url, workload, args.api_key, progress)
     else:
-        engine, names, adapter_dirs = _build_engine(args, workload)
+        if args.http_compare:  # first: its server process gives the device back before the engine here
+            report["http"] = _over_http(args, workload, progress)
+        engine, names, adapter_dirs = build_engine(args, workload)
         report["mode"] = "in-process"
         # A few requests first, untimed: one-time costs of the process (first calls of each op)
         # would otherwise land on whichever run goes first and skew the ratio.
@@ -301,6 +187,10 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
                 "output_tokens_per_s_vs_base": report["adapters"]["output_tokens_per_s"]
                 / report["base_only"]["output_tokens_per_s"]
             }
+        if "http" in report:
+            report.setdefault("ratios", {})["output_tokens_per_s_http_vs_in_process"] = (
+                report["http"]["output_tokens_per_s"] / report["adapters"]["output_tokens_per_s"]
+            )
         if args.hf_compare:
             report["hf_peft"] = _hf_baseline(args, engine, names, adapter_dirs, workload, progress)
             report.setdefault("ratios", {})["output_tokens_per_s_vs_hf_peft"] = (
@@ -311,6 +201,18 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
 
         write_report(report, out_dir)
     return report
+
+
+def _over_http(args: ServeBenchArgs, workload: Workload, progress: bool) -> dict[str, Any]:
+    """The workload as streaming completions against a server on the same engine, in its own
+    process; the same untimed warm-up requests first."""
+    from loraplex.bench.serve_http import run_http
+    from loraplex.bench.serve_server import bench_server
+
+    with bench_server(args) as (url, names, vocab):
+        warm = replace(workload, requests=workload.requests[: args.warmup_requests])
+        run_http(url, warm, None, progress=False, adapters=names, vocab=vocab)
+        return run_http(url, workload, None, progress, adapters=names, vocab=vocab)
 
 
 def _hf_baseline(
@@ -337,7 +239,7 @@ def _hf_baseline(
         if r.prompt is not None:
             prompts.append(list(engine.tokenizer.encode(r.prompt)))
         else:
-            prompts.append(_prompt_ids(r, vocab, workload.spec.seed))
+            prompts.append(prompt_ids(r, vocab, workload.spec.seed))
     return run_hf(
         model_dir,
         adapter_dirs,

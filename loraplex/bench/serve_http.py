@@ -1,15 +1,18 @@
-"""`loraplex bench serve --url`: the workload against a running server, as streaming completions
-over HTTP (httpx), one connection pool shared by all in-flight requests."""
+"""`loraplex bench serve --url` (or `--http-compare`): the workload against a server, as streaming
+completions over HTTP (httpx), one connection pool shared by all in-flight requests.
+
+The client parses only the chunks it needs (the first one, and the usage chunk at the end), so that
+at hundreds of streams the client's own process is not what limits the rate it measures."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from typing import Any
 
 from loraplex.bench.serve_metrics import RequestTiming, summarize
+from loraplex.bench.serve_model import prompt_ids
 from loraplex.bench.workloads import Workload, WorkloadRequest
 
 _SAFE_VOCAB = 99  # token ids below this exist in every vocabulary (the demo's has 99)
@@ -28,9 +31,9 @@ async def _one(
     timing: RequestTiming,
     start: float,
     seed: int,
+    vocab: int,
 ) -> None:
-    rng = random.Random(seed * 1_000_003 + req.index)
-    prompt: str | list[int] = req.prompt or [rng.randrange(4, _SAFE_VOCAB) for _ in range(req.prompt_len)]
+    prompt: str | list[int] = req.prompt or prompt_ids(req, vocab, seed)
     body = {
         "model": model,
         "prompt": prompt,
@@ -49,6 +52,8 @@ async def _one(
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            if timing.first_token_s is not None and '"usage"' not in line:
+                continue  # a token chunk after the first: nothing in it is measured
             chunk = json.loads(line[6:])
             if chunk.get("choices") and timing.first_token_s is None:
                 timing.first_token_s = time.perf_counter() - start
@@ -58,7 +63,14 @@ async def _one(
     timing.finish_s = time.perf_counter() - start
 
 
-async def _run(url: str, workload: Workload, api_key: str | None, progress: bool) -> dict[str, Any]:
+async def _run(
+    url: str,
+    workload: Workload,
+    api_key: str | None,
+    progress: bool,
+    names: list[str] | None,
+    vocab: int,
+) -> dict[str, Any]:
     import httpx
     from tqdm import tqdm
 
@@ -67,6 +79,8 @@ async def _run(url: str, workload: Workload, api_key: str | None, progress: bool
     limits = httpx.Limits(max_connections=concurrency or 1024, max_keepalive_connections=concurrency or 1024)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
         base, adapters = await _models(client)
+        if names is not None:  # the bench's own server: adapter index k is the k-th name it built
+            adapters = names
         if workload.spec.num_adapters and not adapters:
             raise SystemExit(f"the server at {url} serves no adapters; the workload needs them")
         bar = tqdm(total=len(workload.requests), desc="bench serve (http)", unit="req", disable=not progress)
@@ -76,7 +90,7 @@ async def _run(url: str, workload: Workload, api_key: str | None, progress: bool
         async def serve(req: WorkloadRequest, arrival: float) -> None:
             model = base if req.adapter is None else adapters[req.adapter % len(adapters)]
             timing = RequestTiming(req.index, req.tenant, workload.popularity_class(req.adapter), arrival)
-            await _one(client, req, model, timing, start, workload.spec.seed)
+            await _one(client, req, model, timing, start, workload.spec.seed, vocab)
             done.append(timing)
             bar.update(1)
 
@@ -103,5 +117,14 @@ async def _run(url: str, workload: Workload, api_key: str | None, progress: bool
     return summary
 
 
-def run_http(url: str, workload: Workload, api_key: str | None, progress: bool) -> dict[str, Any]:
-    return asyncio.run(_run(url.rstrip("/"), workload, api_key, progress))
+def run_http(
+    url: str,
+    workload: Workload,
+    api_key: str | None,
+    progress: bool,
+    adapters: list[str] | None = None,
+    vocab: int = _SAFE_VOCAB,
+) -> dict[str, Any]:
+    """`adapters`: the name of each workload adapter index (None: the server's listing, wrapping
+    round); `vocab`: prompts' token ids are drawn below it (the default fits every vocabulary)."""
+    return asyncio.run(_run(url.rstrip("/"), workload, api_key, progress, adapters, vocab))

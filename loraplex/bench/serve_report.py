@@ -21,6 +21,15 @@ def _latency_rows(title: str, lat: dict[str, Any]) -> str:
     )
 
 
+def _runs(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    runs = [("with adapters", report["adapters"])]
+    if "base_only" in report:
+        runs.append(("base-only", report["base_only"]))
+    if "http" in report:
+        runs.append(("with adapters, over HTTP", report["http"]))
+    return runs
+
+
 def markdown(report: dict[str, Any]) -> str:
     spec = report["workload"]["spec"]
     lines = [
@@ -30,9 +39,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"environment: {json.dumps(report['environment'])}",
         "",
     ]
-    runs = [("with adapters", report["adapters"])]
-    if "base_only" in report:
-        runs.append(("base-only", report["base_only"]))
+    runs = _runs(report)
     lines += ["| run | output tok/s | req/s | wall s |", "| --- | ---: | ---: | ---: |"]
     for name, r in runs:
         lines.append(
@@ -49,6 +56,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "",
             f"output tokens/s with adapters / base-only: {ratios['output_tokens_per_s_vs_base']:.3f}",
+        ]
+    if "output_tokens_per_s_http_vs_in_process" in ratios:
+        lines += [
+            "output tokens/s over HTTP (streaming, the bench's own server process) / in-process: "
+            f"{ratios['output_tokens_per_s_http_vs_in_process']:.3f}"
         ]
     if "output_tokens_per_s_vs_hf_peft" in ratios:
         lines += [
@@ -104,19 +116,17 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    runs = [("with adapters", report["adapters"])] + (
-        [("base-only", report["base_only"])] if "base_only" in report else []
-    )
+    runs = _runs(report)
     names = [n for n, _ in runs]
     axes[0].bar(names, [r["output_tokens_per_s"] for _, r in runs])
     axes[0].set_ylabel("output tokens/s")
     classes = sorted(report["adapters"]["by_popularity"])
+    width = 0.8 / len(runs)
     for offset, (name, r) in enumerate(runs):
         vals = [(r["by_popularity"].get(c) or {}).get("ttft_s", {}).get("p99") or 0.0 for c in classes]
-        axes[1].bar(
-            [i + 0.4 * offset for i in range(len(classes))], [v * 1e3 for v in vals], width=0.4, label=name
-        )
-    axes[1].set_xticks([i + 0.2 for i in range(len(classes))], classes)
+        xs = [i + width * offset for i in range(len(classes))]
+        axes[1].bar(xs, [v * 1e3 for v in vals], width=width, label=name)
+    axes[1].set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(classes))], classes)
     axes[1].set_ylabel("P99 TTFT (ms)")
     axes[1].legend()
     fig.suptitle(f"bench serve ({report['mode']})")

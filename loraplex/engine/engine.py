@@ -14,7 +14,7 @@ import operator
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -69,18 +69,19 @@ class Engine:
         progress: bool = False,
         model: LlamaFamilyModel | None = None,
         base_revision: str | None = None,
+        tokenizer: Any = None,  # noqa: ANN401
     ) -> None:
         """Load the model from `config.model_dir`, or serve `model` as given (already on
         `config.device` in `config.dtype`; its `config` is the ModelConfig, `config.model_dir` is
-        not read, and there is no tokenizer, so prompts must be token ids). `base_revision`: the
-        declared base revision of an in-process `model` (default: one derived from its config);
-        a model directory's is the hash of its files (`base`)."""
+        not read, and the tokenizer is `tokenizer`: with None, prompts must be token ids and
+        outputs have no text). `base_revision`: the declared base revision of an in-process `model`
+        (default: one derived from its config); a model directory's is the hash of its files (`base`)."""
         self.config = config
         self._base: BaseIdentity | None = None
         if model is not None:
             self._base = declared_identity("in-process", base_revision or config_revision(model.config))
-        elif base_revision is not None:
-            raise ValueError("base_revision is declared only for an in-process model")
+        elif base_revision is not None or tokenizer is not None:
+            raise ValueError("base_revision and tokenizer are given only with an in-process model")
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
         if model is None:
@@ -90,7 +91,7 @@ class Engine:
         else:
             self.model_config = model.config
             self.model = model
-            self.tokenizer = None
+            self.tokenizer = tokenizer
         mc = self.model_config
         self.max_model_len = config.cache.max_model_len or mc.max_position_embeddings
         block_size = config.cache.block_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,13 @@ from typing import Any
 
 from loraplex.engine.engine import Engine
 from loraplex.types import AdapterRef, RequestOutput, SamplingParams
+
+# The step thread and the event loop share the GIL. Every torch op and every socket write releases
+# it, and taking it back waits until the other thread gives it up, by default after holding it for
+# 5 ms: with hundreds of streams the event loop always wants it, so a step of many short ops (a CPU
+# step, an eager mixed step) waited up to 5 ms per op, and the loop as long per chunk written.
+# Measured with 256 streams on a 2-core CPU (docs/bench.md): about 1.3-1.6x the output tokens/s.
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -65,6 +73,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
 
     def start(self) -> None:
+        """Start the step thread; the process's GIL switch interval becomes SWITCH_INTERVAL_S."""
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread.start()
 
     def shutdown(self) -> None:

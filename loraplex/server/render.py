@@ -165,8 +165,12 @@ class Renderer:
             "created": created,
             "model": model,
         }
-        merged: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        pumps = [asyncio.create_task(_pump(i, q, merged)) for i, q in enumerate(queues)]
+        # One choice (the usual case) reads its queue directly; several are merged by pump tasks.
+        merged: asyncio.Queue[tuple[int, RequestOutput]] | None = None
+        pumps = []
+        if len(queues) > 1:
+            merged = asyncio.Queue()
+            pumps = [asyncio.create_task(_pump(i, q, merged)) for i, q in enumerate(queues)]
         streamers = [TextStreamer(run.params.stop) for run in runs]
         tokens_sent = [0] * len(runs)
         finals: list[RequestOutput | None] = [None] * len(runs)
@@ -186,31 +190,40 @@ class Renderer:
                     }
             echoed = [run.echo_text is None for run in runs]
             while any(f is None for f in finals):
-                i, out = await merged.get()
-                run = runs[i]
-                if not echoed[i]:  # the prompt goes out first, with the first snapshot's logprobs
-                    echoed[i] = True
-                    lp = self.prompt_logprobs(out) if out.prompt_logprobs is not None else None
-                    yield {
-                        **head,
-                        "choices": [
-                            {"index": run.index, "text": run.echo_text, "logprobs": lp, "finish_reason": None}
-                        ],
-                    }
-                text = streamers[i].delta(out.text, out.finished)
-                if chat:
-                    lp = self.chat_logprobs(out, tokens_sent[i], run.params.logprobs or 0)
-                    choice = {"index": run.index, "delta": {"content": text} if text else {}, "logprobs": lp}
-                else:
-                    offset = len(run.echo_text or "") + streamers[i].sent - len(text)
-                    lp = self.completion_logprobs(out, tokens_sent[i], offset)
-                    choice = {"index": run.index, "text": text, "logprobs": lp}
-                tokens_sent[i] = len(out.token_ids)
-                choice["finish_reason"] = out.finish_reason if out.finished else None
-                if out.finished:
-                    finals[i] = out
-                if text or out.finished or lp is not None:
-                    yield {**head, "choices": [choice]}
+                for i, out in (await _newest(queues[0], merged)).items():
+                    run = runs[i]
+                    if not echoed[i]:  # the prompt goes out first, with the first snapshot's logprobs
+                        echoed[i] = True
+                        lp = self.prompt_logprobs(out) if out.prompt_logprobs is not None else None
+                        yield {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": run.index,
+                                    "text": run.echo_text,
+                                    "logprobs": lp,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    text = streamers[i].delta(out.text, out.finished)
+                    if chat:
+                        lp = self.chat_logprobs(out, tokens_sent[i], run.params.logprobs or 0)
+                        choice = {
+                            "index": run.index,
+                            "delta": {"content": text} if text else {},
+                            "logprobs": lp,
+                        }
+                    else:
+                        offset = len(run.echo_text or "") + streamers[i].sent - len(text)
+                        lp = self.completion_logprobs(out, tokens_sent[i], offset)
+                        choice = {"index": run.index, "text": text, "logprobs": lp}
+                    tokens_sent[i] = len(out.token_ids)
+                    choice["finish_reason"] = out.finish_reason if out.finished else None
+                    if out.finished:
+                        finals[i] = out
+                    if text or out.finished or lp is not None:
+                        yield {**head, "choices": [choice]}
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage(runs, [f for f in finals if f is not None])}
         finally:
@@ -222,6 +235,26 @@ def _joined(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
     if b is None:
         return a
     return {key: a[key] + b[key] for key in a}
+
+
+async def _newest(
+    single: asyncio.Queue[RequestOutput], merged: asyncio.Queue[tuple[int, RequestOutput]] | None
+) -> dict[int, RequestOutput]:
+    """The newest snapshot of each choice with new output, waiting for one. Everything queued
+    since the last call is taken at once: a snapshot holds all of its request's output so far, so
+    a consumer that fell behind by several steps sends one chunk for them, not one per step (at
+    hundreds of streams the event loop's cost per chunk is what falls behind)."""
+    if merged is None:
+        out = await single.get()
+        while not single.empty():
+            out = single.get_nowait()
+        return {0: out}
+    i, out = await merged.get()
+    newest = {i: out}
+    while not merged.empty():
+        i, out = merged.get_nowait()
+        newest[i] = out
+    return newest
 
 
 async def _pump(

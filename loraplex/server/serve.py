@@ -69,8 +69,11 @@ class Server:
         self.control.close()
 
 
-def build_server(settings: ServerSettings, engine_config: EngineConfig, progress: bool = True) -> Server:
-    """Load the engine, open the data directory (its lock held until `close`), register the startup
+def build_server(
+    settings: ServerSettings, engine_config: EngineConfig, progress: bool = True, engine: Engine | None = None
+) -> Server:
+    """Load the engine (or serve `engine`, built on `engine_config` already: the serving bench's
+    random weights), open the data directory (its lock held until `close`), register the startup
     adapters through the control plane, serve every registered revision, and build the app."""
     from loraplex.adapters.sources import SourcePolicy
     from loraplex.server.control import ADMIN_ENV, ControlService
@@ -78,7 +81,8 @@ def build_server(settings: ServerSettings, engine_config: EngineConfig, progress
 
     if settings.prepare_workers < 1:
         raise ValueError(f"prepare_workers must be >= 1, got {settings.prepare_workers}")
-    engine = Engine(engine_config, progress=progress)
+    if engine is None:
+        engine = Engine(engine_config, progress=progress)
     served = settings.served_model_name or _default_name(engine_config.model_dir)
     if served in settings.adapters:
         raise ValueError(f"served model name {served!r} collides with an adapter name")

@@ -8,7 +8,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from loraplex.bench.serve import ServeBenchArgs, run
+from loraplex.bench.serve import run
+from loraplex.bench.serve_model import ServeBenchArgs
 from loraplex.bench.workloads import generate
 from loraplex.cli import main
 
@@ -91,3 +92,46 @@ def test_busy_union_counts_overlapping_kernels_once() -> None:
 
     assert union_length([]) == 0
     assert union_length([(0, 10), (5, 12), (20, 25), (21, 22), (30, 31)]) == 12 + 5 + 1
+
+
+def test_http_compare_runs_the_same_workload_against_its_own_server_process(tmp_path: Path) -> None:
+    smoke = ServeBenchArgs.smoke_args()
+    spec = replace(smoke.workload, num_requests=24)
+    report = run(
+        replace(smoke, workload=spec, http_compare=True, base_compare=False), tmp_path, progress=False
+    )
+    want = sum(r.output_len for r in generate(spec).requests)
+    assert report["adapters"]["output_tokens"] == want == report["http"]["output_tokens"]
+    assert report["http"]["latency"]["requests"] == 24 and report["http"]["server"]["adapters"] == 4
+    ratio = report["ratios"]["output_tokens_per_s_http_vs_in_process"]
+    assert ratio == report["http"]["output_tokens_per_s"] / report["adapters"]["output_tokens_per_s"] > 0
+    assert "over HTTP" in (tmp_path / "serve.md").read_text()
+
+
+def test_http_compare_on_random_weights_streams_text_of_the_synthetic_tokenizer(tmp_path: Path) -> None:
+    smoke = ServeBenchArgs.smoke_args()
+    spec = replace(smoke.workload, num_requests=12, ranks="8", prompt_len="uniform:8:40")
+    args = replace(smoke, smoke=False, workload=spec, random_layers=1, random_shape="tiny", http_compare=True)
+    report = run(replace(args, base_compare=False), None, progress=False)
+    want = sum(r.output_len for r in generate(spec).requests)
+    assert report["http"]["output_tokens"] == want == report["adapters"]["output_tokens"]
+    # every token has text, so every token reaches the client in a chunk of its own step: TTFT
+    # comes well before the end of a request
+    lat = report["http"]["latency"]
+    assert lat["ttft_s"]["p50"] < 0.5 * lat["e2e_s"]["p50"]
+
+
+def test_random_weights_engine_detokenizes_with_the_bench_tokenizer() -> None:
+    from loraplex.bench.serve_model import build_engine
+    from loraplex.types import SamplingParams
+
+    smoke = ServeBenchArgs.smoke_args()
+    args = replace(smoke, smoke=False, random_layers=1, random_shape="tiny")
+    engine, names, _ = build_engine(args, generate(replace(smoke.workload, num_requests=2)))
+    engine.add_request(
+        "r", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), names[0]
+    )
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.output("r")
+    assert out.text.split() == [f"w{t}" for t in out.token_ids]

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+import pytest
+
 from loraplex.server.render import TextStreamer
+from loraplex.types import RequestOutput
 
 
 def stream_all(stop: tuple[str, ...], snapshots: list[str], final: str) -> str:
@@ -59,3 +65,67 @@ def test_logprobs_render_finite() -> None:
     assert body["gen"]["token_logprobs"] == [LOGPROB_FLOOR]
     assert body["prompt"]["token_logprobs"] == [None, LOGPROB_FLOOR]
     assert "NaN" not in text and "Infinity" not in text and LOGPROB_FLOOR == -9999.0
+
+
+def _snapshots(words: list[str], logprobs: bool) -> list[RequestOutput]:
+    """The snapshots the step thread queues for one request, one per step, the last finished."""
+    outs = []
+    for n in range(1, len(words) + 1):
+        ids = list(range(10, 10 + n))
+        outs.append(
+            RequestOutput(
+                request_id="r",
+                prompt_token_ids=[5],
+                adapter=None,
+                token_ids=ids,
+                text=" ".join(words[:n]),
+                logprobs=[{t: -0.5} for t in ids] if logprobs else None,
+                finished=n == len(words),
+                finish_reason="length" if n == len(words) else None,
+            )
+        )
+    return outs
+
+
+def _render(outs: list[RequestOutput], queued_before_reading: int, logprobs: bool) -> list[dict[str, Any]]:
+    """Stream `outs` through the renderer: the first `queued_before_reading` are already queued
+    when it starts reading (a consumer behind the step thread), the others come one at a time."""
+    from loraplex.server.choices import ChoiceRun
+    from loraplex.server.render import Renderer
+    from loraplex.types import SamplingParams
+
+    async def go() -> list[dict[str, Any]]:
+        fed = queued_before_reading
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        for out in outs[:fed]:
+            queue.put_nowait(out)
+        params = SamplingParams(max_tokens=len(outs), logprobs=0 if logprobs else None)
+        run = ChoiceRun(0, [5], params)
+        chunks = []
+        async for chunk in Renderer(None, "m").stream("cmpl-x", "m", [run], [queue], False, True):
+            chunks.append(chunk)
+            if len(outs) > fed and not queue.qsize():
+                queue.put_nowait(outs[fed])
+                fed += 1
+        return chunks
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_consumer_behind_sends_one_chunk_for_the_snapshots_queued_and_the_same_output(
+    logprobs: bool,
+) -> None:
+    words = ["a", "bb", "c", "dd", "e", "ff"]
+    outs = _snapshots(words, logprobs)
+    one_by_one = _render(outs, 1, logprobs)
+    behind = _render(outs, 4, logprobs)  # four steps' snapshots waiting when it first reads
+    for chunks in (one_by_one, behind):
+        texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+        assert "".join(texts) == " ".join(words)
+        assert chunks[-1]["usage"]["completion_tokens"] == len(words)
+        if logprobs:
+            tokens = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
+            assert len(tokens) == len(words)
+    assert len(one_by_one) == len(words) + 1  # a chunk per step, then the usage
+    assert len(behind) == len(words) - 3 + 1  # the four queued snapshots went out as one chunk
