@@ -115,10 +115,11 @@ def test_http_compare_on_random_weights_streams_text_of_the_synthetic_tokenizer(
     report = run(replace(args, base_compare=False), None, progress=False)
     want = sum(r.output_len for r in generate(spec).requests)
     assert report["http"]["output_tokens"] == want == report["adapters"]["output_tokens"]
-    # every token has text, so every token reaches the client in a chunk of its own step: TTFT
-    # comes well before the end of a request
+    # every token has text, so the first token reaches the client in a chunk of its own step
+    # rather than with the last one: TTFT comes before the end of a request (outputs of 8-32
+    # tokens; without text the two would be equal up to one chunk's delivery)
     lat = report["http"]["latency"]
-    assert lat["ttft_s"]["p50"] < 0.5 * lat["e2e_s"]["p50"]
+    assert lat["ttft_s"]["p50"] < 0.9 * lat["e2e_s"]["p50"]
 
 
 def test_random_weights_engine_detokenizes_with_the_bench_tokenizer() -> None:
