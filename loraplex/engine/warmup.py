@@ -98,3 +98,33 @@ def _warm_base_forward(engine: Engine) -> None:
         ids = torch.zeros(len(positions), dtype=torch.int64, device=engine.device)
         hidden = engine.model(ids, attn, engine.kv.k, engine.kv.v, None)
         engine.model.logits(hidden[-1:]).float()
+    _warm_decode_splits(engine)
+
+
+def _warm_decode_splits(engine: Engine) -> None:
+    """The eager decode attention's split-K factor follows the step's decode rows and context
+    length (`decode_splits`): compile every factor it can pick, on one decode row per distinct
+    (sliding window) layer kind, its K/V not written. q, k and v are views of one qkv row as in
+    the model, so the kernels see the strides they see when serving."""
+    from loraplex.layers.attention_metadata import AttentionMetadata
+    from loraplex.layers.attention_triton import paged_attention_triton, tiling_for
+
+    cfg = engine.model_config
+    bs = engine.kv.block_size
+    attn = AttentionMetadata.build([8], [-1], [0, 1], [9], [[0]], bs, engine.device, for_kernels=True)
+    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    dtype = engine.kv.k[0].dtype
+    qkv = torch.zeros(1, q_size + 2 * kv_size, dtype=dtype, device=engine.device)
+    q = qkv[:, :q_size].view(1, cfg.num_attention_heads, cfg.head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(1, cfg.num_key_value_heads, cfg.head_dim)
+    v = qkv[:, q_size + kv_size :].view(1, cfg.num_key_value_heads, cfg.head_dim)
+    tiling = tiling_for(cfg.head_dim)
+    for window in sorted(set(cfg.layer_sliding_windows), key=lambda w: -1 if w is None else w):
+        splits = 1
+        while splits <= tiling.max_splits:
+            layer = cfg.layer_sliding_windows.index(window)
+            paged_attention_triton(
+                q, k, v, engine.kv.k[layer], engine.kv.v[layer], attn, cfg.head_dim**-0.5, window,
+                tiling, splits,
+            )  # fmt: skip
+            splits *= 2

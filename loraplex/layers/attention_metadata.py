@@ -74,11 +74,19 @@ class AttentionMetadata:
             for t in block_tables:
                 flat.extend(t)
                 flat.extend([0] * (width - len(t)))
-            packed = to_device(flat + list(context_lens) + list(query_start), torch.int32, dev)
+            # Each part starts 16 bytes into the buffer (4 int32s): Triton specializes a kernel on
+            # whether each pointer argument is 16-byte aligned, so offsets that vary with the
+            # step's shape would compile new variants while serving.
+            flat.extend([0] * (-len(flat) % 4))
+            lens_at = len(flat)
+            flat.extend(context_lens)
+            flat.extend([0] * (-len(flat) % 4))
+            starts_at = len(flat)
+            packed = to_device(flat + list(query_start), torch.int32, dev)
             kernel_fields = dict(
                 block_table=packed[: n * width].view(n, width),
-                context_lens_t=packed[n * width : n * width + n],
-                query_start_t=packed[n * width + n :],
+                context_lens_t=packed[lens_at : lens_at + n],
+                query_start_t=packed[starts_at:],
             )
         else:
             slots: list[int] = []
@@ -89,10 +97,12 @@ class AttentionMetadata:
                 del slots[start + length :]
             flat_idx = to_device(slots, torch.int64, dev)
             kv_indices = tuple(flat_idx.split(list(context_lens)))
-        rows = to_device(list(positions) + list(slot_mapping), torch.int64, dev)
+        # slot_mapping starts 16 bytes into the buffer (2 int64s), as above
+        pad = [0] * (len(positions) % 2)
+        rows = to_device(list(positions) + pad + list(slot_mapping), torch.int64, dev)
         return cls(
             positions=rows[: len(positions)],
-            slot_mapping=rows[len(positions) :],
+            slot_mapping=rows[len(positions) + len(pad) :],
             query_start=tuple(query_start),
             context_lens=tuple(context_lens),
             kv_indices=kv_indices,

@@ -377,9 +377,11 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None,
     tiling: AttentionTiling | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention_torch` (same arguments, same result) on the kernels; needs the metadata's
-    device tensors (`AttentionMetadata.build(..., for_kernels=True)`)."""
+    device tensors (`AttentionMetadata.build(..., for_kernels=True)`). `splits` overrides the
+    decode split-K factor (a power of two up to `tiling.max_splits`; the warm-up compiles each)."""
     assert meta.block_table is not None and meta.context_lens_t is not None and meta.query_start_t is not None
     n_tok, n_q, head_dim = q.shape
     n_kv = k.shape[1]
@@ -402,7 +404,8 @@ def paged_attention_triton(
     if meta.num_decode_seqs:
         keys = min(meta.max_context_len, window)
         block_n = tiling.decode_block_n
-        splits = decode_splits(meta.num_decode_seqs, n_kv, keys, _num_sms(q.device), tiling)
+        if splits is None:
+            splits = decode_splits(meta.num_decode_seqs, n_kv, keys, _num_sms(q.device), tiling)
         if splits > 1:
             part_acc = torch.empty((n_seq, n_q, splits, d_pad), dtype=torch.float32, device=q.device)
             part_ml = torch.empty((n_seq, n_q, splits, 2), dtype=torch.float32, device=q.device)

@@ -47,7 +47,7 @@ def test_no_compile_or_capture_after_warmup(tmp_path) -> None:  # noqa: ANN001
     for round_ in range(4):
         n = rng.randint(1, 16)
         prompts = [
-            [rng.randint(3, 97) for _ in range(rng.choice([1, 3, 17, 40, 130, 300, 700]))] for _ in range(n)
+            [rng.randint(3, 96) for _ in range(rng.choice([1, 3, 17, 40, 130, 300, 700]))] for _ in range(n)
         ]
         adapters = [rng.choice([None, *names]) for _ in range(n)]
         params = SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.0, ignore_eos=True)
