@@ -22,6 +22,8 @@ tests check the buffers, padding and segment cutting; capture and replay need CU
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -285,3 +287,17 @@ class StaticDecodeRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(inputs, captured)
         return graph, logits
+
+
+def warm_up_at_startup(
+    static: StaticDecodeRunner | None, capture_at_startup: bool, max_rank: int, progress: bool
+) -> float:
+    """Seconds spent capturing every decode graph up front (CUDA, `capture_at_startup`)."""
+    if static is None or not static.capture or not capture_at_startup:
+        return 0.0
+    t0 = time.perf_counter()
+    added = static.warm_up(max_rank, progress)
+    seconds = time.perf_counter() - t0
+    if progress:
+        print(f"captured {added} decode graphs in {seconds:.1f} s", file=sys.stderr)
+    return seconds

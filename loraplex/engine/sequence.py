@@ -36,6 +36,11 @@ class Sequence:
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
+    # Residency measurements (`engine/adapter_admission.py`): the tier its adapter was in at
+    # admission (None: no adapter), when it was admitted, and since when it waits for a load.
+    admission_tier: str | None = None
+    admitted_at: float = 0.0
+    stalled_since: float | None = None
 
     @property
     def prompt_len(self) -> int:

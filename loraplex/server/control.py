@@ -83,7 +83,7 @@ class ControlService:
         }
         # One writer thread: registrations, aliases, retirements, tenants and keys, in order.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-control")
-        engine.on_adapter_drained = self._drained
+        engine.admission.on_drained = self._drained
         # The disk tier: the engine reads an evicted adapter back from the store (on its loader
         # thread), so the host tier need not keep every registered adapter.
         store = self.store
