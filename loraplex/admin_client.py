@@ -72,6 +72,9 @@ class HttpAdmin:
     def tenants(self) -> Any:  # noqa: ANN401
         return self.call("GET", "/tenants")["data"]
 
+    def set_residency(self, name: str, update: dict[str, Any]) -> Any:  # noqa: ANN401
+        return self.call("PATCH", f"/tenants/{quote(name)}/residency", update)
+
     def create_key(self, role: str, tenant: str | None, label: str) -> Any:  # noqa: ANN401
         return self.call("POST", "/keys", {"role": role, "tenant": tenant, "label": label})
 
@@ -177,7 +180,18 @@ class OfflineAdmin:
             return {"name": name, "quotas": quotas}
 
     def tenants(self) -> Any:  # noqa: ANN401
-        return [{"name": n, "quotas": q} for n, q in self.db.tenants().items()]
+        residency = self.db.residency()
+        return [
+            {"name": n, "quotas": q, "residency": residency.get(n, {})} for n, q in self.db.tenants().items()
+        ]
+
+    def set_residency(self, name: str, update: dict[str, Any]) -> Any:  # noqa: ANN401
+        from loraplex.adapters.tenant_residency import effective, limits_from_record, merged
+
+        with self._writing():  # an InvalidLimit (a ValueError) names the field
+            record = merged(self.db.residency().get(name, {}), update)
+            self.db.set_residency(name, record, OFFLINE)
+            return {"name": name, "residency": record, "effective": effective(limits_from_record(record))}
 
     def create_key(self, role: str, tenant: str | None, label: str) -> Any:  # noqa: ANN401
         from loraplex.adapters.registry_db import hash_key

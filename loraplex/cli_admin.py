@@ -62,7 +62,30 @@ def register(sub: Any) -> None:  # noqa: ANN401  (argparse's private subparsers 
     create = tsub.add_parser("create", help="a new tenant with its quotas")
     create.add_argument("name")
     create.add_argument("--quota", action="append", type=_quota, default=[], metavar="NAME=N")
-    tlist = tsub.add_parser("list", help="tenants and their quotas")
+    tlist = tsub.add_parser("list", help="tenants, their quotas and residency limits")
+    tres = tsub.add_parser(
+        "residency",
+        help="change a tenant's residency limits (the others stay; a running server applies them at once)",
+    )
+    tres.add_argument("name")
+    tres.add_argument("--priority", type=float, help="weighs its adapters' keep value (default 1)")
+    tres.add_argument("--guaranteed-bytes", type=int, help="device bytes other tenants cannot evict")
+    tres.add_argument("--guaranteed-adapters", type=int, help="resident adapters other tenants cannot evict")
+    tres.add_argument("--device-budget-bytes", type=int, help="most device bytes its adapters may hold")
+    tres.add_argument(
+        "--cold-load-bytes-per-minute", type=int, help="bytes loaded onto the device per minute"
+    )
+    tres.add_argument(
+        "--cold-load-burst-bytes", type=int, help="the rate's bucket (default: a minute's worth)"
+    )
+    tres.add_argument(
+        "--cold-load-over-rate",
+        choices=("wait", "refuse"),
+        help="a request over the rate waits or gets a 429",
+    )
+    tres.add_argument(
+        "--reset", action="append", default=[], metavar="FIELD", help="return a limit to its default"
+    )
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     ksub = keys.add_subparsers(dest="keys_command", required=True)
@@ -74,7 +97,7 @@ def register(sub: Any) -> None:  # noqa: ANN401  (argparse's private subparsers 
     revoke = ksub.add_parser("revoke", help="revoke a key by its key id")
     revoke.add_argument("key_id")
 
-    for parser in (reg, listing, show, alias, retire, create, tlist, kcreate, klist, revoke):
+    for parser in (reg, listing, show, alias, retire, create, tlist, tres, kcreate, klist, revoke):
         _common(parser)
         parser.set_defaults(run=run)
 
@@ -114,12 +137,32 @@ def _dispatch(admin: HttpAdmin | OfflineAdmin, args: argparse.Namespace) -> Any:
     if args.command == "tenants":
         if args.tenants_command == "create":
             return admin.create_tenant(args.name, dict(args.quota))
+        if args.tenants_command == "residency":
+            return admin.set_residency(args.name, _residency_update(args))
         return admin.tenants()
     if args.keys_command == "create":
         return admin.create_key("admin" if args.admin else "data", args.tenant, args.label)
     if args.keys_command == "list":
         return admin.keys()
     return admin.revoke_key(args.key_id)
+
+
+_RESIDENCY_FLAGS = (
+    "priority",
+    "guaranteed_bytes",
+    "guaranteed_adapters",
+    "device_budget_bytes",
+    "cold_load_bytes_per_minute",
+    "cold_load_burst_bytes",
+    "cold_load_over_rate",
+)
+
+
+def _residency_update(args: argparse.Namespace) -> dict[str, Any]:
+    """The limits named on the command line; `--reset FIELD` sends null (the default)."""
+    update: dict[str, Any] = {f: None for f in args.reset}
+    update.update({f: getattr(args, f) for f in _RESIDENCY_FLAGS if getattr(args, f) is not None})
+    return update
 
 
 def _list_served(url: str, api_key: str | None) -> int:

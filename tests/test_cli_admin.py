@@ -85,9 +85,37 @@ def test_online_through_the_admin_api(
         assert code == 1 and err.startswith("error: 404:")
         code, out, _ = _run(capsys, "adapters", "retire", f"flip@{reg['revision']}", *online)
         assert code == 0 and out["state"] == "draining"
+        code, out, _ = _run(capsys, "tenants", "residency", "default", "--guaranteed-adapters", "2", *online)
+        assert code == 0 and out["residency"] == {"guaranteed_adapters": 2}
+        code, _, err = _run(capsys, "tenants", "residency", "default", "--priority", "0", *online)
+        assert code == 1 and "400: tenant priority must be > 0" in err
         code, _, err = _run(capsys, "adapters", "list", "--url", base, "--key", "wrong")
         assert code == 1 and "401" in err
         monkeypatch.delenv("LORAPLEX_ADMIN_KEY")
         assert cli.main(["adapters", "list", "--url", base, "--api-key", key["token"]]) == 0
         served = capsys.readouterr().out
         assert "loraplex-demo\tbase" in served and "reverse" in served and "flip" not in served
+
+
+def test_tenant_residency_limits_offline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = ["--data-dir", str(tmp_path / "data")]
+    assert _run(capsys, "tenants", "create", "acme", *data)[0] == 0
+    args = ["--priority", "2", "--guaranteed-adapters", "1", "--cold-load-bytes-per-minute", "1000"]
+    code, out, _ = _run(capsys, "tenants", "residency", "acme", *args, *data)
+    assert code == 0 and out["residency"] == {
+        "priority": 2.0,
+        "guaranteed_adapters": 1,
+        "cold_load_bytes_per_minute": 1000,
+    }
+    assert out["effective"]["cold_load_over_rate"] == "wait"
+    code, out, _ = _run(capsys, "tenants", "residency", "acme", "--reset", "priority", *data)
+    assert code == 0 and "priority" not in out["residency"] and out["residency"]["guaranteed_adapters"] == 1
+    code, _, err = _run(capsys, "tenants", "residency", "acme", "--guaranteed-bytes", "-1", *data)
+    assert code == 1 and "guaranteed_bytes must be >= 0" in err
+    code, _, err = _run(capsys, "tenants", "residency", "nobody", "--priority", "3", *data)
+    assert code == 1 and "unknown tenant 'nobody'" in err
+    code, listed, _ = _run(capsys, "tenants", "list", *data)
+    assert {t["name"]: t["residency"] for t in listed}["acme"] == {
+        "guaranteed_adapters": 1,
+        "cold_load_bytes_per_minute": 1000,
+    }

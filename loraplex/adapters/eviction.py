@@ -10,8 +10,9 @@ describes every resident adapter as a `Candidate`. The rules, in order:
 2. **Tenant budgets**: a tenant whose adapters would exceed its device budget with the incoming
    one must first make room among its own adapters.
 3. **Guaranteed residency**: another tenant's adapters are taken only down to that tenant's
-   guaranteed bytes, so a tenant cycling through many cold adapters churns its own share and the
-   unguaranteed rest, never someone else's guarantee. A tenant may replace its own adapters.
+   guaranteed bytes and guaranteed adapter count, so a tenant cycling through many cold adapters
+   churns its own share and the unguaranteed rest, never someone else's guarantee. A tenant may
+   replace its own adapters.
 4. **Cost, not just recency**: among the evictable, the lowest *keep value* goes first:
    `priority x (heat + floor) x reload cost / bytes`, where heat is an exponentially decayed use
    count (recency and frequency in one number: each `touch` adds 1, halving every
@@ -28,6 +29,7 @@ bucket, so one tenant cannot turn the device pool over faster than its limit all
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -42,28 +44,62 @@ class Tier(Enum):
     DISK = "disk"
 
 
+class InvalidLimit(ValueError):
+    """A tenant limit out of range; `field` names it (the admin API reports it as the `param`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+COLD_LOAD_OVER_RATE = ("wait", "refuse")  # what a request over its tenant's cold-load rate gets
+_NON_NEGATIVE = (
+    "guaranteed_bytes",
+    "guaranteed_adapters",
+    "device_budget_bytes",
+    "cold_load_bytes_per_minute",
+)  # what a request over its tenant's cold-load rate gets
+
+
 @dataclass(frozen=True)
 class TenantLimits:
     priority: float = 1.0  # multiplies the keep value of the tenant's adapters
     guaranteed_bytes: int = 0  # device bytes other tenants' loads cannot take from it
+    guaranteed_adapters: int = 0  # resident adapters other tenants' loads cannot take from it
     device_budget_bytes: int | None = None  # most device bytes its adapters may hold; None: no limit
     cold_load_bytes_per_minute: int | None = None  # None: no limit
     cold_load_burst_bytes: int | None = None  # the bucket's size; None: one minute's worth
+    # Over the rate, a request waits for its load (others keep running), or is refused at once.
+    cold_load_over_rate: str = "wait"
 
     def __post_init__(self) -> None:
         if not self.priority > 0:
-            raise ValueError(f"tenant priority must be > 0, got {self.priority}")
-        for name in ("guaranteed_bytes", "device_budget_bytes", "cold_load_bytes_per_minute"):
+            raise InvalidLimit("priority", f"tenant priority must be > 0, got {self.priority}")
+        for name in (
+            "guaranteed_bytes",
+            "guaranteed_adapters",
+            "device_budget_bytes",
+            "cold_load_bytes_per_minute",
+        ):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+                raise InvalidLimit(name, f"{name} must be >= 0, got {value}")
         budget = self.device_budget_bytes
         if budget is not None and self.guaranteed_bytes > budget:
-            raise ValueError(
-                f"guaranteed_bytes {self.guaranteed_bytes} exceed the device budget of {budget} bytes"
+            raise InvalidLimit(
+                "guaranteed_bytes",
+                f"guaranteed_bytes {self.guaranteed_bytes} exceed the device budget of {budget} bytes",
             )
         if self.cold_load_burst_bytes is not None and self.cold_load_burst_bytes <= 0:
-            raise ValueError(f"cold_load_burst_bytes must be > 0, got {self.cold_load_burst_bytes}")
+            raise InvalidLimit(
+                "cold_load_burst_bytes",
+                f"cold_load_burst_bytes must be > 0, got {self.cold_load_burst_bytes}",
+            )
+        if self.cold_load_over_rate not in COLD_LOAD_OVER_RATE:
+            raise InvalidLimit(
+                "cold_load_over_rate",
+                f"cold_load_over_rate must be one of {COLD_LOAD_OVER_RATE}, got {self.cold_load_over_rate!r}",
+            )
 
 
 @dataclass(frozen=True)
@@ -207,17 +243,22 @@ class EvictionPolicy:
             )
 
         taken = {c.id for c in chosen}
+        counts = Counter(c.tenant for c in resident)
         removed: dict[str, int] = {}
+        removed_count: Counter[str] = Counter()
         for c in ordered:  # then the pool's need, from anyone, above other tenants' guarantees
             if freed >= need:
                 break
             if c.id in taken:
                 continue
             if c.tenant != requester_tenant:
-                guaranteed = self.config.limits(c.tenant).guaranteed_bytes
-                if held[c.tenant] - removed.get(c.tenant, 0) - c.nbytes < guaranteed:
+                theirs = self.config.limits(c.tenant)
+                if held[c.tenant] - removed.get(c.tenant, 0) - c.nbytes < theirs.guaranteed_bytes:
+                    continue
+                if counts[c.tenant] - removed_count[c.tenant] - 1 < theirs.guaranteed_adapters:
                     continue
                 removed[c.tenant] = removed.get(c.tenant, 0) + c.nbytes
+                removed_count[c.tenant] += 1
             chosen.append(c)
             freed += c.nbytes
         if freed < need:

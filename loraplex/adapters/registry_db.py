@@ -6,7 +6,7 @@ code (see docs/architecture.md for why Core and not plain sqlite3). Tables:
 
     adapters   (name, revision) -> manifest, provenance, tenant, visibility, state, created_*
     aliases    alias -> name@revision (repointed in one statement)
-    tenants    name -> quotas
+    tenants    name -> quotas, residency limits (device budget, guarantees, priority, cold loads)
     api_keys   sha256 of the token -> role (data | admin), tenant; the token is never stored
     audit_log  append-only: who did what, when, with what result and why it was refused
 
@@ -273,14 +273,38 @@ class RegistryDB:
 
     # --- tenants and keys -------------------------------------------------------------------------
 
-    def create_tenant(self, name: str, quotas: dict[str, int], principal: str) -> None:
+    def create_tenant(
+        self, name: str, quotas: dict[str, int], principal: str, residency: dict[str, Any] | None = None
+    ) -> None:
+        """`residency`: the stored form of its residency limits (`tenant_residency.record_of`)."""
         with self._write() as conn:
             exists = conn.execute(select(tenants.c.name).where(tenants.c.name == name)).first() is not None
             if not exists:
-                conn.execute(insert(tenants).values(name=name, quotas=quotas, created_at=_now()))
+                conn.execute(
+                    insert(tenants).values(
+                        name=name, quotas=quotas, residency=residency or {}, created_at=_now()
+                    )
+                )
                 self._audit(conn, principal, "tenant", name, "ok", None)
         if exists:
             self._refuse(principal, "tenant", name, "exists", f"tenant {name!r} exists")
+
+    def residency(self) -> dict[str, dict[str, Any]]:
+        """tenant -> its stored residency limits ({} when none is set)."""
+        query = select(tenants.c.name, tenants.c.residency).order_by(tenants.c.name)
+        with self.engine.connect() as conn:
+            return {row.name: dict(row.residency or {}) for row in conn.execute(query)}
+
+    def set_residency(self, name: str, residency: dict[str, Any], principal: str) -> None:
+        """Replace a tenant's stored residency limits (validated by the caller)."""
+        with self._write() as conn:
+            changed = conn.execute(
+                update(tenants).where(tenants.c.name == name).values(residency=residency)
+            ).rowcount
+            if changed:
+                self._audit(conn, principal, "residency", name, "ok", None)
+        if not changed:
+            self._refuse(principal, "residency", name, "unknown tenant", f"unknown tenant {name!r}")
 
     def tenants(self) -> dict[str, dict[str, int]]:
         """tenant -> its quotas."""
@@ -379,7 +403,7 @@ class RegistryDB:
 
 def _ensure_tenant(conn: Connection, name: str) -> None:
     if conn.execute(select(tenants.c.name).where(tenants.c.name == name)).first() is None:
-        conn.execute(insert(tenants).values(name=name, quotas={}, created_at=_now()))
+        conn.execute(insert(tenants).values(name=name, quotas={}, residency={}, created_at=_now()))
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:  # noqa: ANN401

@@ -19,10 +19,13 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     String,
     Table,
+    select,
+    text,
+    update,
 )
 from sqlalchemy.engine import Connection
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATES = ("active", "draining", "retired")
 VISIBILITIES = ("private", "shared")
 ROLES = ("data", "admin")
@@ -38,6 +41,9 @@ tenants = Table(
     Column("name", String(128), primary_key=True),
     Column("quotas", JSON, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False),
+    # Residency limits (`adapters/tenant_residency.py`); NULL reads as none set. Nullable so that
+    # the version 1 -> 2 step can add it to a table with rows on any database.
+    Column("residency", JSON, nullable=True),
 )
 
 adapters = Table(
@@ -88,8 +94,26 @@ audit_log = Table(
     Column("reason", String(2048), nullable=True),
 )
 
+# Version 1 kept these two in `quotas`, stored but not enforced; version 2 moves them to `residency`.
+_V1_RESIDENCY_QUOTAS = {
+    "cold_load_bytes_per_minute": "cold_load_bytes_per_minute",
+    "device_residency_bytes": "device_budget_bytes",
+}
+
+
+def _v1_to_v2(conn: Connection) -> None:
+    """Add `tenants.residency` and move version 1's residency quotas into it."""
+    column = tenants.c.residency
+    ddl = column.type.compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE tenants ADD COLUMN residency {ddl}"))
+    for row in conn.execute(select(tenants.c.name, tenants.c.quotas)).fetchall():
+        quotas = dict(row.quotas or {})
+        moved = {new: quotas.pop(old) for old, new in _V1_RESIDENCY_QUOTAS.items() if old in quotas}
+        conn.execute(update(tenants).where(tenants.c.name == row.name).values(quotas=quotas, residency=moved))
+
+
 # version -> the step that brings a database of that version to the next one
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _v1_to_v2}
 
 
 def fit(text: str, column: Column[str]) -> str:

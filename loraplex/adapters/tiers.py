@@ -14,6 +14,11 @@ finished loads into device residency:
   that a queued sequence waits for. Victims go to the host tier first, so they reload without
   disk. When nothing runs and every resident adapter is only awaited by queued sequences, the
   queued protection is lifted so the queue cannot deadlock.
+- Each tenant's residency limits (set at runtime by `set_tenant_limits`, from the control plane's
+  records) feed the policy: device budgets, guaranteed residency, priority, and a cold-load rate
+  paid when a load onto the device starts. A load over its tenant's rate is deferred (its requests
+  wait, passed over by the scheduler like any loading adapter), or, when the tenant's limits say
+  `refuse`, its request is refused at admission (`ColdLoadLimited`, with the wait).
 - Loads happen between steps only (no slot is pinned then), so no step ever sees a slot change
   under it; the slot generations catch any per-step data built before a change.
 - On CUDA the host -> device copy itself is asynchronous (`copies`, adapters/h2d_copy.py): a
@@ -28,16 +33,19 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 
 import torch
 
 from loraplex.adapters.device_pool import AdapterPool
-from loraplex.adapters.eviction import Candidate, EvictionPolicy, Tier
+from loraplex.adapters.eviction import Candidate, EvictionPolicy, TenantLimits, Tier
 from loraplex.adapters.h2d_copy import AsyncLoads, build_async_loads
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.residency import AdapterResidency, Residency
+from loraplex.adapters.tenant_residency import effective
+from loraplex.adapters.tier_metrics import TierMetrics
 from loraplex.config import LoRAConfig
 from loraplex.lora.weights import AdapterWeights, LoRASlotTable
 from loraplex.types import AdapterRef
@@ -54,6 +62,15 @@ _HOST_BYTES = 4 << 30
 
 class AdapterLoadError(RuntimeError):
     """An adapter revision cannot be made resident (the message says why)."""
+
+
+class ColdLoadLimited(AdapterLoadError):
+    """Refused at admission: the adapter's tenant is over its cold-load rate and its limits say
+    `refuse`; `retry_after_s` is when the load would be admitted."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def default_budgets(
@@ -109,6 +126,11 @@ class AdapterTiers:
         self._loading: dict[str, Future[AdapterWeights]] = {}  # background reads from the source
         self._ready: dict[str, AdapterWeights] = {}  # host copies waiting for device room
         self._failed: dict[str, str] = {}  # revision -> why its last load failed
+        self._sizes: dict[str, int] = {}  # revision -> device footprint (what a cold load pays)
+        self._deferred: set[str] = set()  # loads waiting for their tenant's cold-load rate
+        self._started: dict[str, tuple[str, float]] = {}  # revision -> (source tier, load start)
+        self._copying: dict[str, AdapterWeights] = {}  # side-stream copies in flight: their host copy
+        self.metrics = TierMetrics()
         self._executor: ThreadPoolExecutor | None = None
         self.counts: Counter[str] = Counter()  # hits per tier, loads, evictions, stalls
         self.events = 0  # bumped on every change to what `stats` reports: metrics refresh on change
@@ -121,21 +143,53 @@ class AdapterTiers:
         self._tenant[revision] = tenant
         self._failed.pop(revision, None)
         copy = self.host.put(revision, weights, keep=self.source is None)
+        self._sizes[revision] = self.pool.footprint(copy)
         self.events += 1
-        if not self._in_flight(revision) and self.pool.free_bytes >= self.pool.footprint(copy):
+        if not self._in_flight(revision) and self.pool.free_bytes >= self._sizes[revision]:
             self.residency.load(revision, copy)
+            self.metrics.host_to_device_bytes += copy.nbytes
         return copy
 
     def drop(self, revision: str) -> None:
         """A retired revision nobody holds: free its device room and host copy, forget it."""
         if self.copies is not None:
             self.copies.cancel(revision)
+            self._copying.pop(revision, None)
         self.residency.evict(revision)
         self.host.drop(revision)
         self.events += 1
         self._ready.pop(revision, None)
         self._tenant.pop(revision, None)
+        self._sizes.pop(revision, None)
+        self._deferred.discard(revision)
+        self._started.pop(revision, None)
         self.policy.forget(revision)
+
+    # --- tenants ---------------------------------------------------------------------------------
+
+    def set_tenant_limits(self, limits: Mapping[str, TenantLimits]) -> None:
+        """Every tenant's residency limits (tenants not named get the defaults), effective for the
+        next placement and the next cold load: on the engine thread, between steps."""
+        self.policy.config = replace(self.policy.config, tenants=dict(limits))
+        self.events += 1
+
+    def tenants(self) -> dict[str, dict[str, object]]:
+        """Per tenant with limits or device-resident adapters: its limits (defaults filled in) and
+        what it holds on the device now."""
+        held: dict[str, list[int]] = {}
+        for r in self.residency.resident_revisions():
+            counts = held.setdefault(self._tenant.get(r, ""), [0, 0])
+            counts[0] += 1
+            counts[1] += self.pool.allocated_of(r)
+        config = self.policy.config
+        return {
+            t: {
+                "limits": effective(config.limits(t)),
+                "device_adapters": held.get(t, [0, 0])[0],
+                "device_bytes": held.get(t, [0, 0])[1],
+            }
+            for t in sorted({*config.tenants, *held})
+        }
 
     # --- admission -------------------------------------------------------------------------------
 
@@ -153,6 +207,8 @@ class AdapterTiers:
                 raise AdapterLoadError(
                     f"revision {revision[:12]} is not resident and there is no store to load it from"
                 )
+        if tier != "device":
+            self._refuse_over_rate(revision)
         self.counts[f"{tier}_hits"] += 1
         self.events += 1
         if tier != "device":
@@ -171,11 +227,41 @@ class AdapterTiers:
     def _in_flight(self, revision: str) -> bool:
         return revision in self._loading or (self.copies is not None and revision in self.copies)
 
+    def _refuse_over_rate(self, revision: str) -> None:
+        """Raise ColdLoadLimited if `revision` needs a cold load its tenant's rate does not allow
+        now and its tenant's limits say to refuse rather than wait."""
+        if revision in self._ready or self._in_flight(revision):
+            return  # under way already: nothing more to pay
+        tenant = self._tenant.get(revision, "")
+        limits = self.policy.config.limits(tenant)
+        if limits.cold_load_over_rate != "refuse":
+            return
+        size = self._sizes.get(revision, 0)
+        wait_s = self.policy.cold_load_wait(tenant, size, self.clock())
+        if wait_s > 0:
+            self.counts["cold_load_refusals"] += 1
+            self.events += 1
+            raise ColdLoadLimited(
+                f"tenant {tenant!r} is over its cold-load rate of {limits.cold_load_bytes_per_minute} "
+                f"bytes per minute: adapter revision {revision[:12]} ({size} bytes) could start "
+                f"loading in {wait_s:.1f} s",
+                wait_s,
+            )
+
     def _start(self, revision: str) -> None:
         if revision in self._ready or self._in_flight(revision):
             return
+        tenant = self._tenant.get(revision, "")
+        if not self.policy.admit_cold_load(tenant, self._sizes.get(revision, 0), self.clock()):
+            if revision not in self._deferred:
+                self._deferred.add(revision)
+                self.counts["cold_load_waits"] += 1
+                self.events += 1
+            return
+        self._deferred.discard(revision)
         weights = self.host.get(revision)
         if weights is not None:
+            self._started[revision] = ("host", self.clock())
             self._ready[revision] = weights
             return
         if self.source is None:
@@ -184,21 +270,27 @@ class AdapterTiers:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
         source = self.source
+        self._started[revision] = ("disk", self.clock())
         self._loading[revision] = self._executor.submit(lambda: self.host.host_copy(source(revision)))
 
     # --- between steps ---------------------------------------------------------------------------
 
     @property
     def busy(self) -> bool:
-        """Loads in flight or waiting for room, or failures the engine has yet to report."""
-        return bool(self._loading or self._ready or self._failed or self.copies)
+        """Loads in flight (reading or copying), waiting for room or for their tenant's cold-load
+        rate, or failures the engine has yet to report."""
+        return bool(self._loading or self._ready or self._failed or self._deferred or self.copies)
 
     def poll(self) -> None:
         """Place every finished load that has room (evicting by policy); on the step thread."""
+        # Deferred loads are asked for again by the scheduler's gate after this; one nobody asks
+        # for any more (its requests ended) is forgotten.
+        self._deferred.clear()
         if self.copies:
-            for _ in self.copies.finished():  # side-stream copies complete: now resident
+            for revision in self.copies.finished():  # side-stream copies complete: now resident
                 self.counts["loads"] += 1
                 self.events += 1
+                self._record_load(revision, self._copying.pop(revision))
         if not (self._loading or self._ready):
             return
         for revision, future in list(self._loading.items()):
@@ -227,11 +319,15 @@ class AdapterTiers:
             wait(list(self._loading.values()), timeout=timeout, return_when=FIRST_COMPLETED)
         elif self.copies:
             self.copies.wait(timeout)
+        elif self._deferred:  # only cold-load rates to wait for: no load can finish sooner
+            time.sleep(timeout)
 
     def take_failures(self) -> dict[str, str]:
         """Revisions whose load failed since the last call, with why (cleared, so a later request
         tries again)."""
         failed, self._failed = self._failed, {}
+        for revision in failed:
+            self._started.pop(revision, None)
         return failed
 
     def _place(self, revision: str, weights: AdapterWeights) -> bool:
@@ -248,11 +344,21 @@ class AdapterTiers:
             return False
         if self.copies is not None:  # resident once the copy completes (counted in `poll`)
             self.copies.start(revision, weights)
+            self._copying[revision] = weights
             return True
         self.residency.load(revision, weights)
         self.counts["loads"] += 1
         self.events += 1
+        self._record_load(revision, weights)
         return True
+
+    def _record_load(self, revision: str, weights: AdapterWeights) -> None:
+        """Count a finished load onto the device: its bytes, and its latency from the start of the
+        load to the placement (including any wait for room), by the tier it came from."""
+        self.metrics.host_to_device_bytes += weights.nbytes
+        started = self._started.pop(revision, None)
+        if started is not None:
+            self.metrics.load_seconds[started[0]].observe(self.clock() - started[1])
 
     def _make_room(self, revision: str, size: int) -> bool:
         running, waiting = self.demand()
@@ -303,6 +409,9 @@ class AdapterTiers:
             "load_failures": self.counts["load_failures"],
             "stalled_requests": self.counts["stalled"],
             "loading": len(self._loading) + len(self._ready) + len(self.copies or ()),
+            "cold_load_waits": self.counts["cold_load_waits"],
+            "cold_load_refusals": self.counts["cold_load_refusals"],
+            **self.metrics.snapshot(),
         }
 
     def where(self) -> dict[str, list[str]]:
@@ -313,6 +422,7 @@ class AdapterTiers:
             "loading": sorted(
                 {*self._loading, *self._ready, *(self.copies.revisions() if self.copies else ())}
             ),
+            "waiting_for_cold_load_rate": sorted(self._deferred),
         }
 
     def close(self) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import operator
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,17 +26,19 @@ from loraplex.adapters.base_identity import (
 from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
 from loraplex.adapters.registry import DEFAULT_TENANT, AdapterRegistry, check_adapter_name
 from loraplex.adapters.residency import StepSlots
-from loraplex.adapters.revision import adapter_revision
 from loraplex.adapters.tiers import build_tiers
 from loraplex.config import EngineConfig, ModelConfig
+from loraplex.engine.adapter_admission import AdapterAdmission
 from loraplex.engine.cuda_graphs import StaticDecodeRunner
 from loraplex.engine.model_runner import ForwardResult, ModelRunner
-from loraplex.engine.sampler import Sampler, logprob_dicts
-from loraplex.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
+from loraplex.engine.prompt_tokens import eos_token_ids, prompt_token_ids
+from loraplex.engine.sampler import Sampler
+from loraplex.engine.scheduler import Scheduler, StepPlan
+from loraplex.engine.scoring import record_prompt_logprobs, split_scoring
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.stats import StepStats
 from loraplex.engine.stop import StopChecker
-from loraplex.host_to_device import to_device
+from loraplex.engine.warmup import warm_up
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.lora.backend import make_lora_backend
@@ -47,9 +47,6 @@ from loraplex.model.llama import LlamaFamilyModel
 from loraplex.model.loader import load_model
 from loraplex.model.tokenizer import load_tokenizer
 from loraplex.types import AdapterRef, RequestOutput, SamplingParams
-
-# a scheduled chunk's adapter, in C (`map` over a step's chunks costs less than a comprehension)
-_ADAPTER_OF_CHUNK = operator.attrgetter("seq.adapter")
 
 
 class RequestDelta(NamedTuple):
@@ -116,24 +113,25 @@ class Engine:
         # Where their weights are: device pool and host tier, loaded on demand.
         self.tiers = build_tiers(self.lora_table, self.device, config.lora, self._demand)
         self.residency = self.tiers.residency
-        self._last_slot_map: tuple[tuple[ScheduledChunk, ...], int, StepSlots] | None = None
+        # Registration, admission and the scheduler's gate: the adapter side of each request.
+        self.admission = AdapterAdmission(self.adapters, self.tiers, lambda: self.base)
+        # The plan's slot map from residency; its slots stay pinned until `residency.end_step()`.
+        self.slot_map: Callable[[StepPlan], StepSlots] = self.admission.slot_map
         self.scheduler = Scheduler(
-            config.scheduler, self.pool, block_size, self._adapter_ready, _admission_batch_tokens(config)
+            config.scheduler, self.pool, block_size, self.admission.ready, _admission_batch_tokens(config)
         )
         self.runner = ModelRunner(
             self.model, self.kv, self.lora_table, self.lora_backend, self.device, self._static_decode(config)
         )
-        self.warmup_s = self._warm_up(config, progress)  # before the first request, with a progress bar
+        # every kernel variant and decode graph, before the first request (engine/warmup.py)
+        self.warmup_s = warm_up(self, config, progress)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        self.stop = StopChecker(self.tokenizer, self._eos_ids())
+        self.stop = StopChecker(self.tokenizer, eos_token_ids(self.model_config, self.tokenizer))
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         # Live requests with max_tokens=0: while there are none, a step does no per-row check for them.
         self._num_scoring = 0
         self.last_stats: StepStats | None = None
-        # Called on this thread when the last request on a retired revision ends (the server
-        # records the retirement; it must not block).
-        self.on_adapter_drained: Callable[[AdapterRef], None] | None = None
         # The model and tables are built: collect once and move everything alive now out of the
         # collector's reach, so no full collection over them lands inside a step later.
         gc.collect()
@@ -172,34 +170,13 @@ class Engine:
         """Register already imported (normalized, verified) weights: load them, then name them.
         `revision`: the content's revision when the caller computed it already (the control plane
         does, off this thread: hashing a large adapter here would hold up every step)."""
-        check_adapter_name(name)
-        made_for = imported.manifest.get("base_revision")
-        if made_for is not None and made_for != self.base.revision:
-            raise ValueError(
-                f"base model mismatch: {name} was made for base revision {made_for!r}, this engine "
-                f"serves {self.base.revision!r}"
-            )
-        revision = revision or adapter_revision(imported)
-        if self.adapters.is_retired(AdapterRef(name, revision)):  # before loading: nothing changes
-            raise ValueError(f"{name}@{revision[:12]} is retired; a retired revision stays retired")
-        weights = self.tiers.register(revision, imported.weights, tenant)
-        return self.adapters.add(
-            name, revision, weights.max_rank, weights.nbytes, imported.manifest, tenant, visibility
-        )
+        return self.admission.register(name, imported, revision, tenant, visibility)
 
     def retire_adapter(self, ref: AdapterRef) -> None:
         """Take a revision out of service: new requests are refused, running ones finish on it, and
-        when the last one ends (now, if none runs) its slot is freed."""
-        if self.adapters.retire(ref):
-            self._drained(ref)
-
-    def _drained(self, ref: AdapterRef) -> None:
-        """No request holds the retired `ref` any more: free its slot unless another name still
-        serves the same content, and tell the server (which records the retirement)."""
-        if not self.adapters.in_service(ref.revision):
-            self.tiers.drop(ref.revision)
-        if self.on_adapter_drained is not None:
-            self.on_adapter_drained(ref)
+        when the last one ends (now, if none runs) its slot is freed and `admission.on_drained`
+        is told."""
+        self.admission.retire(ref)
 
     def add_request(
         self,
@@ -216,7 +193,7 @@ class Engine:
         """
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self._tokenize(prompt)
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         limit = self.max_model_len
         if len(token_ids) > limit or (params.max_tokens and len(token_ids) == limit):
             room = " and leaves no room for a generated token" if len(token_ids) == limit else ""
@@ -227,17 +204,12 @@ class Engine:
                 f"request needs up to {worst_case} tokens of KV cache, more than the pool's "
                 f"{self.pool.num_blocks * self.kv.block_size}"
             )
-        ref = self.adapters.acquire(adapter)
-        if ref is not None:
-            try:
-                self.tiers.admit(ref.revision)
-            except Exception:
-                self.adapters.release(ref)
-                raise
+        ref, tier = self.admission.acquire(adapter)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(request_id, token_ids, params, ref, next(self._arrivals), generator)
+        self.admission.admitted(seq, tier)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
         self._seqs[request_id] = seq
@@ -285,8 +257,7 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         failed: list[RequestDelta] = []
         if self.tiers.busy:  # place finished adapter loads, between steps (no slot is pinned)
-            self.tiers.poll()
-            failed = self._fail_loads(self.tiers.take_failures())
+            failed = self._abort_all(self.admission.failed_loads(self.scheduler.waiting))
         plan = self.scheduler.schedule()
         if not plan.chunks:
             self.last_stats = None
@@ -314,23 +285,9 @@ class Engine:
         )
         return deltas
 
-    def slot_map(self, plan: StepPlan) -> StepSlots:
-        """The plan's slot map from residency; its slots stay pinned until `residency.end_step()`.
-        The last step's map is reused when the plan has the same chunks (identical objects: a
-        steady decode batch) and no slot changed since; comparing the chunk tuples is a C loop of
-        identity checks, a fraction of a new map's cost (4 µs at 64 rows on a slow CPU)."""
-        chunks, residency = plan.chunks, self.residency
-        last = self._last_slot_map
-        if last is not None and last[0] == chunks and last[1] == residency.version:
-            residency.repin(last[2])
-            return last[2]
-        slots = residency.step_slots(map(_ADAPTER_OF_CHUNK, chunks))
-        self._last_slot_map = (chunks, residency.version, slots)
-        return slots
-
     def _postprocess(self, plan: StepPlan, result: ForwardResult) -> list[RequestDelta]:
         if result.prompt_rows:
-            self._record_prompt_logprobs(plan, result)
+            record_prompt_logprobs(plan, result)
         chunks = plan.chunks
         for chunk in chunks:
             chunk.seq.num_computed += chunk.num_tokens
@@ -340,10 +297,16 @@ class Engine:
         logits = result.sample_logits
         deltas: list[RequestDelta] = []
         add = deltas.append
-        if self._num_scoring:
-            seqs, logits = self._finish_scoring(seqs, logits, deltas)
+        if self._num_scoring:  # the max_tokens=0 requests end here, before the sampler
+            done, seqs, logits = split_scoring(seqs, logits)
+            for seq in done:
+                seq.finish_reason = "length"
+                self._finish(seq)
+                add(RequestDelta(seq.request_id, [], True, "length"))
             if not seqs:
                 return deltas
+        if self.admission.awaiting_first:  # only while some adapter request has no token yet
+            self.admission.first_tokens(seqs)
         sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         # Per row: the token, its logprobs, the stop checks, the delta; nothing else.
         check = self.stop.check
@@ -360,43 +323,8 @@ class Engine:
             add(RequestDelta(seq.request_id, [token], seq.status is finished, seq.finish_reason))
         return deltas
 
-    def _finish_scoring(
-        self, seqs: list[Sequence], logits: torch.Tensor, deltas: list[RequestDelta]
-    ) -> tuple[list[Sequence], torch.Tensor]:
-        """Finish the max_tokens=0 requests among `seqs` (their prompts are now computed) and return
-        the others with their logits rows. The finished rows never reach the sampler: a row there
-        would take its share of the shared generator's draw and shift every other row's noise."""
-        keep = [i for i, s in enumerate(seqs) if s.params.max_tokens]
-        if len(keep) == len(seqs):
-            return seqs, logits
-        for seq in seqs:
-            if not seq.params.max_tokens:
-                seq.finish_reason = "length"
-                self._finish(seq)
-                deltas.append(RequestDelta(seq.request_id, [], True, "length"))
-        if not keep:
-            return [], logits[:0]
-        rows = to_device(keep, torch.int64, logits.device)
-        return [seqs[i] for i in keep], logits.index_select(0, rows)
-
-    def _record_prompt_logprobs(self, plan: StepPlan, result: ForwardResult) -> None:
-        if not result.prompt_rows:
-            return
-        lps = torch.log_softmax(result.prompt_logits, dim=-1)
-        seqs = [plan.chunks[r.chunk].seq for r in result.prompt_rows]
-        actual = [s.prompt_token_ids[r.position] for s, r in zip(seqs, result.prompt_rows, strict=True)]
-        dicts = logprob_dicts(lps, actual, [s.params.prompt_logprobs for s in seqs])
-        for seq, d in zip(seqs, dicts, strict=True):
-            seq.prompt_logprobs.append(d)
-
-    def _fail_loads(self, failures: dict[str, str]) -> list[RequestDelta]:
-        """Abort the waiting requests whose adapter could not be loaded (the store lost it, or it
-        outgrows the device budget); the reason goes to stderr, the request ends as aborted."""
-        if not failures:
-            return []
-        doomed = [s for s in self.scheduler.waiting if s.adapter and s.adapter.revision in failures]
-        for revision, why in failures.items():
-            print(f"adapter revision {revision[:12]} failed to load: {why}", file=sys.stderr)
+    def _abort_all(self, doomed: list[Sequence]) -> list[RequestDelta]:
+        """End the requests whose adapter could not be loaded as aborted (the reason went to stderr)."""
         for seq in doomed:
             seq.finish_reason = "abort"
             self._finish(seq)
@@ -406,16 +334,9 @@ class Engine:
         """The adapters of the running and of the waiting sequences (for choosing victims)."""
         return [s.adapter for s in self.scheduler.running], [s.adapter for s in self.scheduler.waiting]
 
-    def _adapter_ready(self, seq: Sequence) -> bool:
-        """The admission gate: a sequence runs once its adapter is device-resident (asking starts
-        the load; meanwhile the sequences behind it are admitted)."""
-        return seq.adapter is None or self.tiers.ready(seq.adapter.revision)
-
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        if self.adapters.release(seq.adapter):  # the last request on a retired revision
-            assert seq.adapter is not None
-            self._drained(seq.adapter)
+        self.admission.release(seq)  # its hold, its clocks; drains a retired revision's last request
         if not seq.params.max_tokens:
             self._num_scoring -= 1
 
@@ -430,12 +351,7 @@ class Engine:
         for seq in live:
             assert len(seq.block_ids) == self.scheduler.blocks_for(seq.num_computed), seq.request_id
         assert self._num_scoring == sum(not s.params.max_tokens for s in live), "scoring request count"
-        holds: dict[AdapterRef, int] = {}
-        for seq in live:
-            if seq.adapter is not None:
-                holds[seq.adapter] = holds.get(seq.adapter, 0) + 1
-        for entry in self.adapters.list():
-            assert self.adapters.holds(entry.ref) == holds.get(entry.ref, 0), f"hold count of {entry.ref}"
+        self.admission.check_integrity(live)
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -445,13 +361,6 @@ class Engine:
         if self.device.type != "cuda" or max_batch == 0:
             return None
         return self.static_decode_runner(max_batch, capture=True)
-
-    def _warm_up(self, config: EngineConfig, progress: bool) -> float:
-        """Seconds spent compiling every kernel variant and capturing every decode graph up front
-        (CUDA, `capture_at_startup`; `engine/warmup.py`)."""
-        from loraplex.engine.warmup import warm_up
-
-        return warm_up(self, config, progress)
 
     def static_decode_runner(self, max_batch: int, capture: bool) -> StaticDecodeRunner:
         """A decode runner over this engine's model, KV cache and LoRA table (capture=False: the
@@ -483,27 +392,6 @@ class Engine:
         """CUDA graphs captured so far (one per new decode shape; a steady workload stops adding)."""
         sd = self.runner.static_decode
         return sd.captures if sd is not None else 0
-
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give prompts as token ids")
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        return ids
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return frozenset(ids)
 
 
 def _admission_batch_tokens(config: EngineConfig) -> int:

@@ -37,6 +37,11 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
     waiting_since: float = 0.0  # time.monotonic() when it last entered the waiting queue
+    # Residency measurements (`engine/adapter_admission.py`): the tier its adapter was in at
+    # admission (None: no adapter), when it was admitted, and since when it waits for a load.
+    admission_tier: str | None = None
+    admitted_at: float = 0.0
+    stalled_since: float | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -21,7 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from loraplex.engine.engine import Engine
 from loraplex.server.admin_ops import AdminOps
 from loraplex.server.auth import Principal
+from loraplex.server.body_json import parse_json_body
 from loraplex.server.control import ControlService
+from loraplex.server.errors import APIError
 from loraplex.server.prepare import parse_model
 
 PREFIX = "/admin/v1"
@@ -48,6 +50,8 @@ class CreateTenant(BaseModel):
     model_config = _STRICT
     name: str = Field(max_length=128)
     quotas: dict[str, int | None] = Field(default_factory=dict)
+    # residency limits (`adapters/tenant_residency.py` checks them and names a bad field)
+    residency: dict[str, Any] = Field(default_factory=dict)
 
 
 class CreateKey(BaseModel):
@@ -66,7 +70,7 @@ def residency_report(engine: Engine) -> dict[str, Any]:
         tier: [{"revision": r, "names": sorted(names.get(r, []))} for r in revisions]
         for tier, revisions in engine.tiers.where().items()
     }
-    return {"tiers": engine.tiers.stats(), "adapters": where}
+    return {"tiers": engine.tiers.stats(), "adapters": where, "tenants": engine.tiers.tenants()}
 
 
 def add_admin_routes(app: FastAPI, control: ControlService, max_json_depth: int) -> None:
@@ -122,7 +126,16 @@ def add_admin_routes(app: FastAPI, control: ControlService, max_json_depth: int)
     async def create_tenant(request: Request) -> JSONResponse:
         req = await body(request, CreateTenant)
         p = who(request)
-        return JSONResponse(await write(lambda: ops.create_tenant(p, req.name, req.quotas)), status_code=201)
+        out = await write(lambda: ops.create_tenant(p, req.name, req.quotas, req.residency))
+        return JSONResponse(out, status_code=201)
+
+    @app.patch(f"{PREFIX}/tenants/{{name}}/residency")
+    async def set_residency(request: Request, name: str) -> JSONResponse:
+        update = parse_json_body(await request.body(), max_json_depth)
+        if not isinstance(update, dict):
+            raise APIError(400, f"the request body must be a JSON object, got {type(update).__name__}")
+        p = who(request)
+        return JSONResponse(await write(lambda: ops.set_residency(p, name, update)))
 
     @app.get(f"{PREFIX}/tenants")
     async def list_tenants() -> JSONResponse:

@@ -13,7 +13,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from loraplex.adapters.control_plane import RegistrationError
+from loraplex.adapters.eviction import InvalidLimit
 from loraplex.adapters.registry_db import AdapterRecord, RegistryDB, RegistryError, hash_key
+from loraplex.adapters.tenant_residency import effective, limits_from_record, merged
 from loraplex.server.auth import Principal
 from loraplex.server.control import ControlService, manifest_bytes
 from loraplex.server.errors import APIError
@@ -71,6 +73,14 @@ def find_key(db: RegistryDB, key_id: str) -> str | None:
     """The one live key whose hash starts with `key_id` (8 characters at least), else None."""
     matches = [h for h in db.live_keys() if len(key_id) >= 8 and h.startswith(key_id.lower())]
     return matches[0] if len(matches) == 1 else None
+
+
+def _residency_record(current: dict[str, Any], update: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The stored record after `update`; a 400 naming the field (`prefix` + its name) otherwise."""
+    try:
+        return merged(current, update)
+    except InvalidLimit as err:
+        raise APIError(400, str(err), param=prefix + err.field) from None
 
 
 class AdminOps:
@@ -196,7 +206,9 @@ class AdminOps:
 
     # --- tenants and keys -------------------------------------------------------------------------
 
-    def create_tenant(self, who: Principal, name: str, quotas: dict[str, Any]) -> dict[str, Any]:
+    def create_tenant(
+        self, who: Principal, name: str, quotas: dict[str, Any], residency: dict[str, Any]
+    ) -> dict[str, Any]:
         with self._audited(who, "tenant", name):
             if not _NAME.fullmatch(name) or len(name) > 128:
                 raise APIError(400, f"invalid tenant name {name!r}", param="name")
@@ -204,18 +216,35 @@ class AdminOps:
                 parsed = TenantQuotas.from_mapping(quotas)
             except (TypeError, ValueError) as err:
                 raise APIError(400, str(err), param="quotas") from None
+            record = _residency_record({}, residency, "residency.")
             if name in self.control.quotas:
                 raise conflict(f"tenant {name!r} exists")
         stored = {k: v for k, v in quotas.items() if v is not None}
         try:
-            self.db.create_tenant(name, stored, who.label)
+            self.db.create_tenant(name, stored, who.label, record)
         except RegistryError as err:
             raise conflict(str(err)) from None
         self.control.quotas[name] = parsed
-        return {"name": name, "quotas": stored}
+        self.control.set_residency(name, limits_from_record(record))
+        return {"name": name, "quotas": stored, "residency": record}
 
     def tenants(self) -> list[dict[str, Any]]:
-        return [{"name": n, "quotas": q} for n, q in self.db.tenants().items()]
+        residency = self.db.residency()
+        return [
+            {"name": n, "quotas": q, "residency": residency.get(n, {})} for n, q in self.db.tenants().items()
+        ]
+
+    def set_residency(self, who: Principal, tenant: str, update: dict[str, Any]) -> dict[str, Any]:
+        """Change some of a tenant's residency limits (a null resets one to its default); the
+        engine enforces them from its next step."""
+        with self._audited(who, "residency", tenant):
+            if tenant not in self.control.quotas:
+                raise not_found(f"unknown tenant {tenant!r}")
+            record = _residency_record(self.db.residency().get(tenant, {}), update, "")
+        self.db.set_residency(tenant, record, who.label)
+        limits = limits_from_record(record)
+        self.control.set_residency(tenant, limits)
+        return {"name": tenant, "residency": record, "effective": effective(limits)}
 
     def create_key(self, who: Principal, role: str, tenant: str | None, label: str) -> dict[str, Any]:
         tenant = tenant or who.tenant

@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.adapters.control_plane import ControlPlane, RegistrationError, Runner
 from loraplex.adapters.data_dir import DataDirLock
+from loraplex.adapters.eviction import TenantLimits
 from loraplex.adapters.peft_import import ImportedAdapter
 from loraplex.adapters.registration_worker import WorkerProcess, prepare
 from loraplex.adapters.registry_db import DEFAULT_TENANT, AdapterRecord, RegistryDB, RegistryError
 from loraplex.adapters.sources import SourcePolicy
 from loraplex.adapters.store import AdapterStore
+from loraplex.adapters.tenant_residency import limits_from_record
 from loraplex.server.auth import KeyTable, Principal, token_hash
 from loraplex.server.errors import APIError
 from loraplex.server.limits import TenantQuotas
@@ -81,9 +83,15 @@ class ControlService:
         self.quotas: dict[str, TenantQuotas] = {
             name: TenantQuotas.from_mapping(q) for name, q in self.db.tenants().items()
         }
+        # Each tenant's residency limits, as the engine's eviction policy enforces them (set here
+        # before the engine thread runs; changed on it by `set_residency`).
+        self.residency: dict[str, TenantLimits] = {
+            name: limits_from_record(record) for name, record in self.db.residency().items()
+        }
+        engine.tiers.set_tenant_limits(self.residency)
         # One writer thread: registrations, aliases, retirements, tenants and keys, in order.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-control")
-        engine.on_adapter_drained = self._drained
+        engine.admission.on_drained = self._drained
         # The disk tier: the engine reads an evicted adapter back from the store (on its loader
         # thread), so the host tier need not keep every registered adapter.
         store = self.store
@@ -176,6 +184,12 @@ class ControlService:
             result: _T = self.async_engine.call(fn).result(timeout=120)
             return result
         return fn(self.engine)
+
+    def set_residency(self, tenant: str, limits: TenantLimits) -> None:
+        """A tenant's new residency limits, effective from the engine's next step (no restart)."""
+        self.residency[tenant] = limits
+        snapshot = dict(self.residency)
+        self.on_engine(lambda e: e.tiers.set_tenant_limits(snapshot))
 
     def quotas_of(self, tenant: str) -> TenantQuotas:
         return self.quotas.get(tenant) or TenantQuotas()

@@ -67,16 +67,14 @@ def check_count(value: int, limit: int, what: str, param: str) -> None:
 
 @dataclass(frozen=True)
 class TenantQuotas:
-    """What one tenant may hold and use (stored in the registry's tenants table; None: no quota).
-    The first four are enforced by the control plane and the door; the last two are stored for
-    residency, which enforces them."""
+    """What one tenant may hold and use (stored in the registry's tenants table; None: no quota),
+    enforced by the control plane and the door. Its residency limits (device budget, guarantees,
+    priority, cold-load rate) are a record of their own (`adapters/tenant_residency.py`)."""
 
     max_adapters: int | None = None  # registered revisions (not retired)
     max_rank: int | None = None
     max_adapter_bytes: int | None = None  # total bytes of the tenant's registered adapters
     max_concurrent_requests: int | None = None
-    cold_load_bytes_per_minute: int | None = None
-    device_residency_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive(self, "quota", optional={f.name for f in fields(self)})

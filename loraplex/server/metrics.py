@@ -19,6 +19,7 @@ from prometheus_client import (
 
 from loraplex.engine.engine import Engine
 from loraplex.server.async_engine import StepObserver
+from loraplex.server.residency_metrics import ResidencyCollector
 from loraplex.types import AdapterRef, RequestOutput
 
 disable_created_metrics()  # the *_created series only add noise to every counter
@@ -125,6 +126,8 @@ class ServerMetrics(StepObserver):
             ["event"],
             registry=r,
         )
+        self.residency = ResidencyCollector()  # histograms and counters of the tiers
+        r.register(self.residency)
         self._max_adapters = 0
         self._tier_events = -1
 
@@ -172,6 +175,9 @@ class ServerMetrics(StepObserver):
             self._on_tiers(engine.tiers.stats())
 
     def _on_tiers(self, stats: dict[str, Any]) -> None:
+        self.residency.stats = (
+            stats  # a fresh dict from `AdapterTiers.stats()`: the engine keeps no reference
+        )
         device, host, disk = stats["device"], stats["host"], stats["disk"]
         for tier, adapters, used, budget in (
             ("device", device["adapters"], device["allocated_bytes"], device["budget_bytes"]),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 import weakref
@@ -25,13 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.adapters.registry import RetiredAdapterError, UnknownAdapterError
+from loraplex.adapters.tiers import ColdLoadLimited
 from loraplex.server.admin_api import add_admin_routes
 from loraplex.server.async_engine import AsyncEngine
 from loraplex.server.auth import KeyTable, Principal
 from loraplex.server.choices import ChoiceRun, collect, run_choices
 from loraplex.server.control import ControlService
 from loraplex.server.guard import Guard
-from loraplex.server.limits import ServerLimits, TenantQuotas
+from loraplex.server.limits import ServerLimits, TenantQuotas, too_many
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.openapi import describe_routes
 from loraplex.server.prepare import PreparedRequest, RequestPreparer
@@ -200,6 +202,8 @@ async def _respond(
         raise _not_found(prepared.model, err) from None
     except ValueError as err:
         raise APIError(400, str(err)) from None
+    except ColdLoadLimited as err:  # the adapter's tenant is over its cold-load rate, and refuses
+        raise too_many(str(err), max(1, math.ceil(err.retry_after_s))) from None
     if prepared.stream:
         chunks = renderer.stream(
             request_id, prepared.model, runs, streams, prepared.chat, prepared.include_usage

@@ -110,7 +110,7 @@ def test_in_process_model_has_a_declared_revision() -> None:
     manifest = declared.adapters.list()[0].manifest
     assert manifest["base_revision"] == "declared:bench-seed-7"
     assert ref.revision != Engine(config).register_adapter("upper", DEMO_ADAPTERS["upper"]).revision
-    with pytest.raises(ValueError, match="only for an in-process model"):
+    with pytest.raises(ValueError, match="only with an in-process model"):
         Engine(config, base_revision="x")
 
 

@@ -102,20 +102,22 @@ def test_migrates_an_older_file_and_refuses_a_newer_one(tmp_path: Path, monkeypa
     db.add_revision("sql", REV_A, {"r": 16}, {}, principal="admin")
     db.close()
 
-    # A release with schema version 2 adds a column; opening the version-1 file upgrades it in place.
-    def to_v2(conn) -> None:  # noqa: ANN001
+    # A later release adds a column; opening the current version's file upgrades it in place.
+    current = rdb.SCHEMA_VERSION
+
+    def to_next(conn) -> None:  # noqa: ANN001
         conn.execute(text("ALTER TABLE adapters ADD COLUMN note VARCHAR(64) DEFAULT ''"))
 
-    monkeypatch.setattr(rdb, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(rdb.MIGRATIONS, 1, to_v2)
+    monkeypatch.setattr(rdb, "SCHEMA_VERSION", current + 1)
+    monkeypatch.setitem(rdb.MIGRATIONS, current, to_next)
     upgraded = RegistryDB.in_dir(str(tmp_path))
-    assert upgraded.schema_version == 2 and upgraded.resolve("sql").manifest == {"r": 16}
+    assert upgraded.schema_version == current + 1 and upgraded.resolve("sql").manifest == {"r": 16}
     cols = [
         row[1] for row in sqlite3.connect(tmp_path / "registry.sqlite").execute("PRAGMA table_info(adapters)")
     ]
     assert "note" in cols
     upgraded.close()
-    monkeypatch.setattr(rdb, "SCHEMA_VERSION", 1)
+    monkeypatch.setattr(rdb, "SCHEMA_VERSION", current)
     with pytest.raises(RegistryError, match="newer than this loraplex"):
         RegistryDB.in_dir(str(tmp_path))
 

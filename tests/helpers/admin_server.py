@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from safetensors import safe_open
 
 from helpers.live_server import live_server
 from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
@@ -91,3 +92,12 @@ def demo_traffic(base: str, threads: int = 2) -> Iterator[list[str]]:
         stop.set()
         for w in workers:
             w.join()
+
+
+def demo_footprint(path: Path) -> int:
+    """Device bytes of a demo adapter in the float32 pool: each tensor rounded up to 16 bytes."""
+    total = 0
+    with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            total += -(-f.get_tensor(name).numel() * 4 // 16) * 16
+    return total

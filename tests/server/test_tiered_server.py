@@ -9,9 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.admin_server import ADMIN, MODEL, admin, auth, complete, sources
+from helpers.admin_server import ADMIN, MODEL, admin, auth, complete, demo_footprint, sources
 from helpers.live_server import live_server
-from safetensors import safe_open
 
 from loraplex import LLM, SamplingParams
 from loraplex.config import LoRAConfig
@@ -19,21 +18,12 @@ from loraplex.demo import DEMO_ADAPTERS
 from loraplex.demo.tasks import held_out_inputs, make_prompt
 
 
-def _footprint(path: Path) -> int:
-    """Device bytes of a demo adapter in the float32 pool: each tensor rounded up to 16 bytes."""
-    total = 0
-    with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            total += -(-f.get_tensor(name).numel() * 4 // 16) * 16
-    return total
-
-
 @pytest.mark.parametrize("host_bytes", [None, 0], ids=["host-tier", "store-only"])
 def test_room_for_one_demo_adapter(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, host_bytes: int | None
 ) -> None:
     monkeypatch.setenv("LORAPLEX_ADMIN_KEY", ADMIN)
-    room = max(_footprint(p) for p in DEMO_ADAPTERS.values())
+    room = max(demo_footprint(p) for p in DEMO_ADAPTERS.values())
     lora = LoRAConfig(adapter_device_bytes=room, adapter_host_bytes=host_bytes)
     demo = {k: str(v) for k, v in DEMO_ADAPTERS.items()}
     prompts = [make_prompt(t) for t in held_out_inputs(3)]
