@@ -167,6 +167,8 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
             report["http"] = _over_http(args, workload, progress)
         engine, names, adapter_dirs = build_engine(args, workload)
         report["mode"] = "in-process"
+        # The startup warm-up, and compiles / captures after it: serving should add none.
+        report["startup"] = {"warmup_s": engine.warmup_s, **_counters(engine)}
         # A few requests first, untimed: one-time costs of the process (first calls of each op)
         # would otherwise land on whichever run goes first and skew the ratio.
         t0 = time.perf_counter()
@@ -187,6 +189,9 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
                 "output_tokens_per_s_vs_base": report["adapters"]["output_tokens_per_s"]
                 / report["base_only"]["output_tokens_per_s"]
             }
+        report["after_startup"] = {
+            k: v - report["startup"][k] for k, v in _counters(engine).items()
+        }  # the warm-up requests and every measured run
         if "http" in report:
             report.setdefault("ratios", {})["output_tokens_per_s_http_vs_in_process"] = (
                 report["http"]["output_tokens_per_s"] / report["adapters"]["output_tokens_per_s"]
@@ -201,6 +206,10 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
 
         write_report(report, out_dir)
     return report
+
+
+def _counters(engine: Any) -> dict[str, int]:  # noqa: ANN401
+    return {"kernel_compiles": engine.kernel_compiles, "graph_captures": engine.graph_captures}
 
 
 def _over_http(args: ServeBenchArgs, workload: Workload, progress: bool) -> dict[str, Any]:

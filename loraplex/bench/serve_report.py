@@ -67,6 +67,13 @@ def markdown(report: dict[str, Any]) -> str:
             "output tokens/s with adapters / transformers + PEFT: "
             f"{ratios['output_tokens_per_s_vs_hf_peft']:.2f}"
         ]
+    if "startup" in report:
+        st, after = report["startup"], report.get("after_startup", {})
+        lines += [
+            f"startup warm-up {st['warmup_s']:.1f} s ({st['kernel_compiles']} kernel compiles, "
+            f"{st['graph_captures']} CUDA graphs); after it, while serving: "
+            f"{after.get('kernel_compiles', '-')} compiles, {after.get('graph_captures', '-')} captures"
+        ]
     for name, r in runs:
         lines += [
             "",
