@@ -75,6 +75,10 @@ def _serve(args: argparse.Namespace) -> int:
             bench = replace(bench, hf_compare=True)
         if args.http_compare:
             bench = replace(bench, http_compare=True)
+        if args.more_seeds:
+            bench = replace(bench, more_seeds=tuple(int(x) for x in args.more_seeds.split(",")))
+        if args.poisson_factor is not None:
+            bench = replace(bench, poisson_factor=args.poisson_factor)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     report = run(bench, args.out, progress=not args.quiet)
@@ -147,6 +151,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--http-compare",
         action="store_true",
         help="also the workload over HTTP, against a server on the same engine in its own process",
+    )
+    s.add_argument("--more-seeds", help="then the workload with these seeds too (comma list), same engine")
+    s.add_argument(
+        "--poisson-factor",
+        type=float,
+        help="then Poisson arrivals at this fraction of the closed-loop run's request rate, same engine",
     )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     for name, kind, text in (

@@ -33,6 +33,11 @@ class ServeBenchArgs:
     # Also the same workload over HTTP, against a server on the same engine that the bench starts
     # in a process of its own (bench/serve_server.py); the report states HTTP / in-process.
     http_compare: bool = False
+    # After the main runs, on the same engine: the workload again with each of these seeds, and
+    # with Poisson arrivals at this fraction of the first closed-loop run's request rate (each
+    # with adapters, and base-only unless base_compare is off).
+    more_seeds: tuple[int, ...] = ()
+    poisson_factor: float | None = None
 
     @classmethod
     def smoke_args(cls, **overrides: Any) -> ServeBenchArgs:  # noqa: ANN401

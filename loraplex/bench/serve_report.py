@@ -27,6 +27,7 @@ def _runs(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         runs.append(("base-only", report["base_only"]))
     if "http" in report:
         runs.append(("with adapters, over HTTP", report["http"]))
+    runs += [(more["name"], more["run"]) for more in report.get("more_runs", ())]
     return runs
 
 
@@ -67,6 +68,7 @@ def markdown(report: dict[str, Any]) -> str:
             "output tokens/s with adapters / transformers + PEFT: "
             f"{ratios['output_tokens_per_s_vs_hf_peft']:.2f}"
         ]
+    lines += [f"{name}: {value:.3f}" for name, value in ratios.items() if ":" in name]
     if "startup" in report:
         st, after = report["startup"], report.get("after_startup", {})
         lines += [

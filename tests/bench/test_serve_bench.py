@@ -136,3 +136,26 @@ def test_random_weights_engine_detokenizes_with_the_bench_tokenizer() -> None:
         engine.step()
     out = engine.output("r")
     assert out.text.split() == [f"w{t}" for t in out.token_ids]
+
+
+def test_more_seeds_and_poisson_follow_the_closed_loop_run_on_the_same_engine(tmp_path: Path) -> None:
+    smoke = ServeBenchArgs.smoke_args()
+    spec = replace(smoke.workload, num_requests=12)
+    args = replace(smoke, workload=spec, more_seeds=(5,), poisson_factor=0.9)
+    report = run(args, tmp_path, progress=False)
+    names = [m["name"] for m in report["more_runs"]]
+    rate = 0.9 * report["adapters"]["requests_per_s"]
+    assert names == [
+        "seed 5, with adapters",
+        "seed 5, base-only",
+        f"Poisson {rate:.2f} req/s, with adapters",
+        f"Poisson {rate:.2f} req/s, base-only",
+    ]
+    seeded, poisson = report["more_runs"][0], report["more_runs"][2]
+    # every request of each workload ran to its own length
+    assert seeded["spec"]["seed"] == 5
+    assert seeded["run"]["output_tokens"] == sum(r.output_len for r in generate(replace(spec, seed=5)).requests)
+    assert poisson["spec"]["arrivals"] == f"poisson:{rate:.4f}"
+    assert poisson["run"]["latency"]["requests"] == 12
+    assert "seed 5: with adapters / base-only" in report["ratios"]
+    assert "seed 5, with adapters" in (tmp_path / "serve.md").read_text()
