@@ -154,7 +154,8 @@ def test_more_seeds_and_poisson_follow_the_closed_loop_run_on_the_same_engine(tm
     seeded, poisson = report["more_runs"][0], report["more_runs"][2]
     # every request of each workload ran to its own length
     assert seeded["spec"]["seed"] == 5
-    assert seeded["run"]["output_tokens"] == sum(r.output_len for r in generate(replace(spec, seed=5)).requests)
+    want = sum(r.output_len for r in generate(replace(spec, seed=5)).requests)
+    assert seeded["run"]["output_tokens"] == want
     assert poisson["spec"]["arrivals"] == f"poisson:{rate:.4f}"
     assert poisson["run"]["latency"]["requests"] == 12
     assert "seed 5: with adapters / base-only" in report["ratios"]
