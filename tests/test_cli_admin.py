@@ -89,6 +89,9 @@ def test_online_through_the_admin_api(
         assert code == 0 and out["residency"] == {"guaranteed_adapters": 2}
         code, _, err = _run(capsys, "tenants", "residency", "default", "--priority", "0", *online)
         assert code == 1 and "400: tenant priority must be > 0" in err
+        too_much = ["--guaranteed-bytes", str(1 << 40)]
+        code, _, err = _run(capsys, "tenants", "residency", "default", *too_much, *online)
+        assert code == 1 and "409: the tenants' guaranteed device bytes sum to" in err
         code, _, err = _run(capsys, "adapters", "list", "--url", base, "--key", "wrong")
         assert code == 1 and "401" in err
         monkeypatch.delenv("LORAPLEX_ADMIN_KEY")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.lora.weights import AdapterWeights, LoRAPair
+from loraplex.lora.weights import AdapterWeights, LoRAPair, WeightFacts, adapted_groups
 
 ALIGN = 16  # bytes: the start of every A and B (see `_ALIGN` in lora/triton_table.py)
 
@@ -71,6 +71,7 @@ class _Extent:
     size: int  # footprint: aligned bytes
     actual: int  # the pairs' own bytes
     pairs: tuple[_Pair, ...]
+    facts: WeightFacts  # of the views: computed once per layout (`AdapterPool._layout`)
     generation: int = 0
     # the views at `start`, made once (hundreds of tensor views cost milliseconds of host time
     # on a load's path; reserve and commit both ask for them)
@@ -100,8 +101,17 @@ def layout(weights: AdapterWeights, elem: int) -> tuple[tuple[_Pair, ...], int, 
     return tuple(pairs), off, actual
 
 
-def views(flat: torch.Tensor, start: int, pairs: tuple[_Pair, ...]) -> AdapterWeights:
-    """The pairs of an extent starting `start` bytes into the 1-D tensor `flat`, as views."""
+def layout_facts(pairs: tuple[_Pair, ...], actual: int) -> WeightFacts:
+    """The facts of weights laid out as `pairs` with `actual` bytes (`layout`'s)."""
+    ranks = {p.key: p.a_shape[0] for p in pairs}
+    return WeightFacts(ranks, max(ranks.values(), default=0), actual, adapted_groups(ranks))
+
+
+def views(
+    flat: torch.Tensor, start: int, pairs: tuple[_Pair, ...], facts: WeightFacts | None = None
+) -> AdapterWeights:
+    """The pairs of an extent starting `start` bytes into the 1-D tensor `flat`, as views;
+    `facts`: theirs (`layout_facts`), known already."""
     elem = flat.element_size()
     view = flat.as_strided  # one call per tensor (a slice then a view would be two)
     out = {}
@@ -110,7 +120,7 @@ def views(flat: torch.Tensor, start: int, pairs: tuple[_Pair, ...]) -> AdapterWe
         a = view(p.a_shape, (ca, 1), (start + p.a_off) // elem)
         b = view(p.b_shape, (cb, 1), (start + p.b_off) // elem)
         out[p.key] = LoRAPair(a, b, p.scale)
-    return AdapterWeights(out)
+    return AdapterWeights(out) if facts is None else AdapterWeights.with_facts(out, facts)
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,8 @@ class AdapterPool:
         if not dtype.is_floating_point:
             raise ValueError(f"adapter pool dtype must be a floating type, got {dtype}")
         self.dtype = dtype
-        self._layouts: dict[int, tuple[AdapterWeights, tuple[tuple[_Pair, ...], int, int]]] = {}
+        # id(weights) -> (weights, its layout, the facts of its views)
+        self._layouts: dict[int, tuple[AdapterWeights, tuple[tuple[_Pair, ...], int, int], WeightFacts]] = {}
         self.elem = torch.empty(0, dtype=dtype).element_size()
         self.budget_bytes = budget_bytes // ALIGN * ALIGN
         self.buffer = torch.empty(self.budget_bytes // self.elem, dtype=dtype, device=device)
@@ -201,7 +212,7 @@ class AdapterPool:
         """`key`'s weights as views into the pool at its current place."""
         ext = self._extents[key]
         if ext.cached is None or ext.cached[0] != ext.start:
-            ext.cached = (ext.start, views(self.buffer, ext.start, ext.pairs))
+            ext.cached = (ext.start, views(self.buffer, ext.start, ext.pairs, ext.facts))
         return ext.cached[1]
 
     # --- placing and freeing --------------------------------------------------------------------
@@ -222,12 +233,12 @@ class AdapterPool:
         malformed weights."""
         if key in self._extents:
             raise ValueError(f"adapter {key[:12]} is already in the pool")
-        pairs, size, actual = self._layout(weights)
+        (pairs, size, actual), facts = self._layout_and_facts(weights)
         start = self._best_fit(size)
         moved: dict[str, AdapterWeights] = {}
         if start is None:
             start, moved = self._compact_for(size, key, frozenset(fixed) | self.in_flight)
-        ext = _Extent(start, size, actual, pairs)
+        ext = _Extent(start, size, actual, pairs, facts)
         self._extents[key] = ext
         self.allocated_bytes += size
         self.used_bytes += actual
@@ -257,16 +268,22 @@ class AdapterPool:
     # --- internals ------------------------------------------------------------------------------
 
     def _layout(self, weights: AdapterWeights) -> tuple[tuple[_Pair, ...], int, int]:
+        return self._layout_and_facts(weights)[0]
+
+    def _layout_and_facts(
+        self, weights: AdapterWeights
+    ) -> tuple[tuple[tuple[_Pair, ...], int, int], WeightFacts]:
         # The host tier hands the same weights object to every reload of an adapter: its layout
-        # (a pass over hundreds of pairs) is kept for the most recent ones.
+        # and the facts of its views (passes over hundreds of pairs) are kept for the most recent.
         hit = self._layouts.get(id(weights))
         if hit is not None and hit[0] is weights:
-            return hit[1]
+            return hit[1], hit[2]
         result = layout(weights, self.elem)
+        facts = layout_facts(result[0], result[2])
         if len(self._layouts) >= _LAYOUT_MEMO:
             del self._layouts[next(iter(self._layouts))]
-        self._layouts[id(weights)] = (weights, result)
-        return result
+        self._layouts[id(weights)] = (weights, result, facts)
+        return result, facts
 
     def _ordered(self) -> list[tuple[str, _Extent]]:
         return sorted(self._extents.items(), key=lambda kv: kv[1].start)

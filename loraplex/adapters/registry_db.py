@@ -11,8 +11,9 @@ code (see docs/architecture.md for why Core and not plain sqlite3). Tables:
     audit_log  append-only: who did what, when, with what result and why it was refused
 
 The schema carries a version; opening a file of an older version runs the migration steps in
-order, in one transaction. Revisions are immutable: a row's manifest never changes; only its state
-(active -> draining -> retired) moves. This module knows no tensors and no torch.
+order, in one transaction (`registry_schema.open_database`). Revisions are immutable: a row's
+manifest never changes; only its state (active -> draining -> retired) moves. This module knows
+no tensors and no torch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, create_engine, event, func, insert, inspect, select, update
+from sqlalchemy import Table, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from loraplex.adapters.registry_schema import (
@@ -35,14 +36,16 @@ from loraplex.adapters.registry_schema import (
     SCHEMA_VERSION,
     STATES,
     VISIBILITIES,
+    RegistryError,
     adapters,
     aliases,
     api_keys,
     audit_log,
     fit,
-    metadata,
+    open_database,
     schema_info,
     tenants,
+    utc_now,
 )
 
 __all__ = [  # the tables and constants are part of this module's interface
@@ -60,10 +63,6 @@ __all__ = [  # the tables and constants are part of this module's interface
     "hash_key",
     "tenants",
 ]
-
-
-class RegistryError(ValueError):
-    """A control-plane request the registry refuses (the message names why)."""
 
 
 @dataclass(frozen=True)
@@ -91,16 +90,9 @@ def hash_key(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
 class RegistryDB:
     def __init__(self, url: str) -> None:
-        self.engine: Engine = create_engine(url)
-        if self.engine.dialect.name == "sqlite":
-            event.listen(self.engine, "connect", _sqlite_pragmas)
-        self._migrate()
+        self.engine: Engine = open_database(url)
 
     @classmethod
     def in_dir(cls, data_dir: str) -> RegistryDB:
@@ -110,24 +102,6 @@ class RegistryDB:
         self.engine.dispose()
 
     # --- schema ---------------------------------------------------------------------------------
-
-    def _migrate(self) -> None:
-        with self.engine.begin() as conn:
-            if not inspect(conn).has_table("schema_info"):
-                metadata.create_all(conn)
-                conn.execute(insert(schema_info).values(version=SCHEMA_VERSION))
-                _ensure_tenant(conn, DEFAULT_TENANT)
-                return
-            version = conn.execute(select(schema_info.c.version)).scalar_one()
-            if version > SCHEMA_VERSION:
-                raise RegistryError(
-                    f"the registry's schema is version {version}, newer than this loraplex's "
-                    f"{SCHEMA_VERSION}: upgrade loraplex"
-                )
-            while version < SCHEMA_VERSION:
-                MIGRATIONS[version](conn)
-                version += 1
-                conn.execute(update(schema_info).values(version=version))
 
     @property
     def schema_version(self) -> int:
@@ -177,7 +151,7 @@ class RegistryDB:
                     tenant=tenant,
                     visibility=visibility,
                     state="active",
-                    created_at=_now(),
+                    created_at=utc_now(),
                     created_by=fit(principal, adapters.c.created_by),
                 )
             )
@@ -254,7 +228,7 @@ class RegistryDB:
                 values = {
                     "name": name,
                     "revision": revision,
-                    "updated_at": _now(),
+                    "updated_at": utc_now(),
                     "updated_by": fit(principal, aliases.c.updated_by),
                 }
                 changed = conn.execute(
@@ -282,7 +256,7 @@ class RegistryDB:
             if not exists:
                 conn.execute(
                     insert(tenants).values(
-                        name=name, quotas=quotas, residency=residency or {}, created_at=_now()
+                        name=name, quotas=quotas, residency=residency or {}, created_at=utc_now()
                     )
                 )
                 self._audit(conn, principal, "tenant", name, "ok", None)
@@ -330,7 +304,7 @@ class RegistryDB:
             if known:
                 conn.execute(
                     insert(api_keys).values(
-                        key_hash=hash_key(token), role=role, tenant=tenant, label=label, created_at=_now()
+                        key_hash=hash_key(token), role=role, tenant=tenant, label=label, created_at=utc_now()
                     )
                 )
                 self._audit(conn, principal, "key", f"{role} key {label!r} of {tenant}", "ok", None)
@@ -343,7 +317,7 @@ class RegistryDB:
             changed = conn.execute(
                 update(api_keys)
                 .where((api_keys.c.key_hash == key_hash) & api_keys.c.revoked_at.is_(None))
-                .values(revoked_at=_now())
+                .values(revoked_at=utc_now())
             ).rowcount
             if changed:
                 self._audit(conn, principal, "revoke", key_hash[:12], "ok", None)
@@ -368,7 +342,7 @@ class RegistryDB:
     ) -> None:
         conn.execute(
             insert(audit_log).values(
-                at=_now(),
+                at=utc_now(),
                 principal=fit(principal, audit_log.c.principal),
                 action=fit(action, audit_log.c.action),
                 target=fit(target, audit_log.c.target),
@@ -399,16 +373,3 @@ class RegistryDB:
     def count(self, table: Table) -> int:
         with self.engine.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
-
-
-def _ensure_tenant(conn: Connection, name: str) -> None:
-    if conn.execute(select(tenants.c.name).where(tenants.c.name == name)).first() is None:
-        conn.execute(insert(tenants).values(name=name, quotas={}, residency={}, created_at=_now()))
-
-
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:  # noqa: ANN401
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA busy_timeout=5000")
-    cursor.close()

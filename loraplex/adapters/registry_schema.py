@@ -2,12 +2,15 @@
 
 Every string column has a length; SQLite ignores it, PostgreSQL refuses a longer value, so the
 registry clips what it writes into free-text columns (`fit`) instead of failing on PostgreSQL
-only. `registry_db.py` reads and writes them.
+only. `registry_db.py` reads and writes them; `open_database` here creates them, or brings an
+older file's up to this version, before anything reads them.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -19,17 +22,30 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     String,
     Table,
+    create_engine,
+    event,
+    insert,
+    inspect,
     select,
     text,
     update,
 )
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
 SCHEMA_VERSION = 2
 STATES = ("active", "draining", "retired")
 VISIBILITIES = ("private", "shared")
 ROLES = ("data", "admin")
 DEFAULT_TENANT = "default"
+
+
+class RegistryError(ValueError):
+    """A control-plane request the registry refuses (the message names why)."""
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
 
 metadata = MetaData()
 
@@ -124,3 +140,40 @@ def fit(text: str, column: Column[str]) -> str:
         return text
     head = (limit - 3) // 2
     return f"{text[:head]}...{text[len(text) - (limit - 3 - head) :]}"
+
+
+def open_database(url: str) -> Engine:
+    """A database engine on `url` whose tables are at this version: created in an empty database
+    (with the default tenant), migrated step by step in one transaction from an older version.
+    A newer version is refused: this code would misread it."""
+    engine = create_engine(url)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    with engine.begin() as conn:
+        if not inspect(conn).has_table("schema_info"):
+            metadata.create_all(conn)
+            conn.execute(insert(schema_info).values(version=SCHEMA_VERSION))
+            conn.execute(
+                insert(tenants).values(name=DEFAULT_TENANT, quotas={}, residency={}, created_at=utc_now())
+            )
+            return engine
+        version = conn.execute(select(schema_info.c.version)).scalar_one()
+        if version > SCHEMA_VERSION:
+            engine.dispose()
+            raise RegistryError(
+                f"the registry's schema is version {version}, newer than this loraplex's "
+                f"{SCHEMA_VERSION}: upgrade loraplex"
+            )
+        while version < SCHEMA_VERSION:
+            MIGRATIONS[version](conn)
+            version += 1
+            conn.execute(update(schema_info).values(version=version))
+    return engine
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:  # noqa: ANN401
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()

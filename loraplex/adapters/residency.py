@@ -143,8 +143,9 @@ class AdapterResidency:
         slot = self._take_slot()
         generation = self._generation.get(slot, -1) + 1
         self.table.set(slot, on_device)
-        ranks = {key: pair.rank for key, pair in on_device.pairs.items()}
-        facts = SlotFacts(slot, generation, ranks, on_device.groups, on_device.max_rank, on_device.nbytes)
+        # pool views carry their facts from the pool's layout: nothing here walks the pairs again
+        ranks, groups, max_rank = on_device.ranks, on_device.groups, on_device.max_rank
+        facts = SlotFacts(slot, generation, ranks, groups, max_rank, on_device.nbytes)
         self._generation[slot] = generation
         self._facts[slot] = facts
         self._slot_of[revision] = slot

@@ -69,3 +69,20 @@ def record_of(limits: TenantLimits) -> dict[str, Any]:
 def effective(limits: TenantLimits) -> dict[str, Any]:
     """Every field, defaults included (for reports)."""
     return {name: getattr(limits, name) for name in _FIELDS}
+
+
+def guarantee_overcommit(limits: Mapping[str, TenantLimits], budget_bytes: int) -> str | None:
+    """Why the tenants' guaranteed device bytes together cannot all hold in a device pool of
+    `budget_bytes` (naming each guaranteeing tenant, the sum and the budget); None when they fit.
+    Each guarantee is checked against the budget alone elsewhere; only their sum can promise the
+    same bytes twice. (Guaranteed adapter counts are not summed: an adapter's size is not known
+    until it is loaded.)"""
+    guaranteed = {name: lim.guaranteed_bytes for name, lim in sorted(limits.items()) if lim.guaranteed_bytes}
+    total = sum(guaranteed.values())
+    if total <= budget_bytes:
+        return None
+    each = ", ".join(f"{name} {value}" for name, value in guaranteed.items())
+    return (
+        f"the tenants' guaranteed device bytes sum to {total} ({each}), over the adapter "
+        f"device budget of {budget_bytes} bytes"
+    )

@@ -37,27 +37,20 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
-import torch
-
 from loraplex.adapters.device_pool import AdapterPool
 from loraplex.adapters.eviction import Candidate, EvictionPolicy, TenantLimits, Tier
-from loraplex.adapters.h2d_copy import AsyncLoads, build_async_loads
+from loraplex.adapters.h2d_copy import AsyncLoads
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.residency import AdapterResidency, Residency
 from loraplex.adapters.tenant_residency import effective
 from loraplex.adapters.tier_metrics import TierMetrics
-from loraplex.config import LoRAConfig
-from loraplex.lora.weights import AdapterWeights, LoRASlotTable
+from loraplex.lora.weights import AdapterWeights
 from loraplex.types import AdapterRef
 
 # What the engine reports of its live sequences when a placement needs victims: the adapters of
 # the running sequences and of the waiting ones.
 Demand = Callable[[], tuple[Iterable[AdapterRef | None], Iterable[AdapterRef | None]]]
 Source = Callable[[str], AdapterWeights]
-
-_CPU_DEVICE_BYTES = 1 << 30  # CPU: host memory; torch.empty commits pages only as adapters use them
-_CUDA_FREE_FRACTION = 0.25  # CUDA: of the memory free after the model and the KV cache
-_HOST_BYTES = 4 << 30
 
 
 class AdapterLoadError(RuntimeError):
@@ -71,34 +64,6 @@ class ColdLoadLimited(AdapterLoadError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-def default_budgets(
-    device: torch.device, device_bytes: int | None, host_bytes: int | None
-) -> tuple[int, int]:
-    """Device and host tier budgets: the configured ones, else 1 GiB (CPU) or a quarter of the GPU
-    memory free once the model and KV cache are allocated (CUDA graphs and activations need the
-    rest), and 4 GiB of host memory."""
-    if device_bytes is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            device_bytes = int(free * _CUDA_FREE_FRACTION)
-        else:
-            device_bytes = _CPU_DEVICE_BYTES
-    return device_bytes, _HOST_BYTES if host_bytes is None else host_bytes
-
-
-def build_tiers(
-    table: LoRASlotTable, device: torch.device, config: LoRAConfig, demand: Demand
-) -> AdapterTiers:
-    """An engine's tiers: the device pool preallocated now (so after the model and the KV cache,
-    sized from what they left), the host tier (pinned on CUDA), and residency over the pool."""
-    assert table.dtype is not None, "the slot table's dtype sizes the pool"
-    device_bytes, host_bytes = default_budgets(device, config.adapter_device_bytes, config.adapter_host_bytes)
-    pool = AdapterPool(device_bytes, table.dtype, device)
-    residency = AdapterResidency(table, table.dtype, device, pool)
-    host = HostCache(host_bytes, table.dtype, pin=device.type == "cuda")
-    return AdapterTiers(residency, pool, host, demand, copies=build_async_loads(residency, device))
 
 
 class AdapterTiers:

@@ -26,7 +26,7 @@ from loraplex.adapters.base_identity import (
 from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
 from loraplex.adapters.registry import DEFAULT_TENANT, AdapterRegistry, check_adapter_name
 from loraplex.adapters.residency import StepSlots
-from loraplex.adapters.tiers import build_tiers
+from loraplex.adapters.tier_setup import build_tiers
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.adapter_admission import AdapterAdmission
 from loraplex.engine.cuda_graphs import StaticDecodeRunner

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -24,75 +23,17 @@ from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.triton_config import (
     DECODE,
     DecodeTiling,
-    ShrinkSplit,
     SplitPlan,
     TwoLaunchTiling,
-    block_r_for,
-    pick_tiling,
     plan_split,
     row_loop_applies,
     split_cap,
-    split_k,
 )
-from loraplex.lora.triton_table import GroupTables, LoRADeviceTable, SegmentTables, target_bit
+from loraplex.lora.triton_plan import CallPlan, TritonStep, cdiv, group_call, new_step
+from loraplex.lora.triton_table import GroupTables, LoRADeviceTable, target_bit
 from loraplex.lora.weights import LoRASlotTable
 
-
-@dataclass(slots=True)
-class _TritonStep:
-    """One step's plan: what every call of the step shares, made once per step by `begin_step`
-    (or by the first call of a step that did not begin so). Host values, plus the device tensors
-    the step's launches read besides the metadata."""
-
-    meta: LoRABatchMetadata
-    dev: LoRADeviceTable
-    version: int  # the device tables' version the plan was made against
-    coverage: int  # OR of target bits over the step's slots (-1: every slice, a captured step)
-    block_r: int
-    max_seg_rows: int
-    tiling: TwoLaunchTiling | None  # the backend's tiling when the plan was made
-    # the split launch's segment tables, gathered once for every layer (replayed steps only)
-    seg: SegmentTables | None = None
-    # every row's segment (`_row_segments`), and whether it was made by begin_step or in a capture
-    row_seg: torch.Tensor | None = None
-    row_seg_fixed: bool = False
-    # what every layer's call of one group shares, per (group, device, d_in, slice offsets)
-    groups: dict[tuple, _GroupCall] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _GroupCall:
-    """The launch parameters every layer's call of one group shares within a step."""
-
-    dev: LoRADeviceTable
-    step: _TritonStep
-    tiling: TwoLaunchTiling
-    n_slices: int
-    n_segs: int
-    row_tiles: int
-    split: ShrinkSplit
-    r_chunks: int
-    cols: list[int]
-    widest: int
-
-
-@dataclass(slots=True)
-class _CallPlan:
-    """One call: its group's shared parameters and this layer's tables and adapted slices (built
-    for every call of an eager step, hence a small slots class)."""
-
-    g: _GroupCall
-    tabs: GroupTables
-    slice_mask: int
-    # the split launch's per-step segment tables of this (layer, group) (`begin_step`), if any
-    seg_tabs: GroupTables | None
-
-
 _UNPLANNED = object()  # a call shape whose split plan is not made yet (None: no split plan fits)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class TritonLoRABackend:
@@ -113,7 +54,7 @@ class TritonLoRABackend:
         self.calls: Counter[str] = Counter()  # group name -> calls that launched the kernel pair
         self._tables: dict[torch.device, LoRADeviceTable] = {}
         self._sms: dict[torch.device, int] = {}
-        self._step: _TritonStep | None = None  # the current step's plan
+        self._step: TritonStep | None = None  # the current step's plan
         self._plans: dict[tuple, SplitPlan | None] = {}  # split grids per call shape (None: two launches)
         # the (layer, group) shapes already checked against the device tables' version
         self._checked: set[tuple] = set()
@@ -144,7 +85,7 @@ class TritonLoRABackend:
         """
         dev = self.device_table(device)
         dev.sync(table)
-        self._step = self._new_step(meta, dev)
+        self._step = new_step(meta, dev, self.tiling)
 
     def begin_step(
         self,
@@ -163,7 +104,7 @@ class TritonLoRABackend:
         begin this way plan it themselves, read the slot tables and find the rows' segments."""
         dev = self.device_table(device)
         dev.sync(table)
-        step = self._step = self._new_step(meta, dev)
+        step = self._step = new_step(meta, dev, self.tiling)
         tiling = self.tiling or DECODE
         if not isinstance(tiling, DecodeTiling) or meta.num_segments == 0:
             return
@@ -175,7 +116,7 @@ class TritonLoRABackend:
         if replayed:
             step.seg = dev.segment_tables(meta.seg_slots)
 
-    def _row_segments(self, step: _TritonStep, step_begins: bool = False) -> torch.Tensor:
+    def _row_segments(self, step: TritonStep, step_begins: bool = False) -> torch.Tensor:
         """[num_lora_rows] int32: the segment of every row of the segment order (num_segments for
         rows past the last segment), for the row-loop expand. Computed on the device once per
         step: by `begin_step` (inside the capture of a captured step, so replays recompute it from
@@ -199,22 +140,6 @@ class TritonLoRABackend:
         dev = self.device_table(device)
         dev.sync(table)
         return dev.epoch, dev.null_slot
-
-    def _new_step(self, meta: LoRABatchMetadata, dev: LoRADeviceTable) -> _TritonStep:
-        if meta.static is not None:
-            # a captured step: every slice of every group (a replay's adapters are unknown; slices
-            # of rank 0 read nothing), the rank tile and segment length it was recorded with
-            static = meta.static
-            return _TritonStep(meta, dev, dev.version, -1, static.block_r, static.max_rows, self.tiling)
-        coverage, max_rank = 0, 0
-        for slot in meta.seg_slots_host:
-            if slot not in dev.slot_coverage:
-                raise ValueError(f"segment refers to slot {slot}, which holds no adapter")
-            coverage |= dev.slot_coverage[slot]
-            max_rank = max(max_rank, dev.slot_max_rank[slot])
-        offs = meta.seg_offsets_host
-        max_rows = max((offs[s + 1] - offs[s] for s in range(len(offs) - 1)), default=0)
-        return _TritonStep(meta, dev, dev.version, coverage, block_r_for(max_rank), max_rows, self.tiling)
 
     def _num_sms(self, device: torch.device) -> int:
         if device not in self._sms:
@@ -256,7 +181,7 @@ class TritonLoRABackend:
         layer: int,
         group: str,
         slice_offsets: Sequence[int],
-    ) -> _CallPlan | None:
+    ) -> CallPlan | None:
         """Everything both launches need, from host values only; None when nothing is launched.
         An eager step calls this for every layer and group: what the calls of one group share is
         derived once per step, the shape checks once per (layer, group) and table version."""
@@ -266,7 +191,7 @@ class TritonLoRABackend:
         dev.sync(table)
         step = self._step
         if step is None or step.meta is not meta or step.dev is not dev or step.version != dev.version:
-            step = self._step = self._new_step(meta, dev)  # a step that did not begin here
+            step = self._step = new_step(meta, dev, self.tiling)  # a step that did not begin here
         slices = GROUP_SLICES[group]
         slice_mask = 0
         for i, t in enumerate(slices):
@@ -287,31 +212,13 @@ class TritonLoRABackend:
         key = (group, x.device, x.shape[1], offsets)
         g = step.groups.get(key)
         if g is None:
-            g = step.groups[key] = self._group_call(x, step, slices, offsets)
+            g = step.groups[key] = group_call(
+                step, x.shape[1], slices, offsets, self.tiling, self._num_sms(x.device)
+            )
         seg = step.seg if isinstance(g.tiling, DecodeTiling) else None
-        return _CallPlan(g, dev.group(layer, group), slice_mask, seg.group(layer, group) if seg else None)
+        return CallPlan(g, dev.group(layer, group), slice_mask, seg.group(layer, group) if seg else None)
 
-    def _group_call(
-        self, x: torch.Tensor, step: _TritonStep, slices: tuple[str, ...], slice_offsets: tuple[int, ...]
-    ) -> _GroupCall:
-        """The parts of a call that every layer's call of this group shares in a step."""
-        tiling = self.tiling or pick_tiling(step.max_seg_rows)
-        n_segs = step.meta.num_segments
-        row_tiles = _cdiv(step.max_seg_rows, tiling.block_m)
-        return _GroupCall(
-            dev=step.dev,
-            step=step,
-            tiling=tiling,
-            n_slices=len(slices),
-            n_segs=n_segs,
-            row_tiles=row_tiles,
-            split=split_k(tiling, x.shape[1], n_segs * row_tiles, self._num_sms(x.device)),
-            r_chunks=step.block_r // min(step.block_r, tiling.shrink_block_r),
-            cols=list(slice_offsets) + [slice_offsets[-1]] * (4 - len(slice_offsets)),
-            widest=max(slice_offsets[i + 1] - slice_offsets[i] for i in range(len(slices))),
-        )
-
-    def _launch_shrink(self, x: torch.Tensor, meta: LoRABatchMetadata, c: _CallPlan) -> torch.Tensor:
+    def _launch_shrink(self, x: torch.Tensor, meta: LoRABatchMetadata, c: CallPlan) -> torch.Tensor:
         # h: [n_split, n_slices, R, BLOCK_R] float32; every block the expand reads is written first
         g = c.g
         k, dev, step, tiling = self._k, g.dev, g.step, g.tiling
@@ -327,10 +234,10 @@ class TritonLoRABackend:
         )  # fmt: skip
         return h
 
-    def _launch_expand(self, y: torch.Tensor, h: torch.Tensor, meta: LoRABatchMetadata, c: _CallPlan) -> None:
+    def _launch_expand(self, y: torch.Tensor, h: torch.Tensor, meta: LoRABatchMetadata, c: CallPlan) -> None:
         g = c.g
         k, dev, step, tiling, cols = self._k, g.dev, g.step, g.tiling, g.cols
-        grid = k.expand_grid(g.n_segs, g.row_tiles, _cdiv(g.widest, tiling.n_chunk), g.n_slices)
+        grid = k.expand_grid(g.n_segs, g.row_tiles, cdiv(g.widest, tiling.n_chunk), g.n_slices)
         k.lora_expand_kernel[grid](
             y, dev.base, h, meta.row_perm, meta.seg_offsets, meta.seg_slots,
             c.tabs.b_offs, c.tabs.ranks, c.tabs.scales, dev.n_slots, y.stride(0), meta.num_lora_rows,
@@ -353,7 +260,7 @@ class TritonLoRABackend:
         y: torch.Tensor,
         x: torch.Tensor,
         meta: LoRABatchMetadata,
-        call: _CallPlan,
+        call: CallPlan,
         tiling: DecodeTiling,
         slice_offsets: Sequence[int],
     ) -> bool:
@@ -426,7 +333,7 @@ class TritonLoRABackend:
         y: torch.Tensor,
         h: torch.Tensor,
         meta: LoRABatchMetadata,
-        call: _CallPlan,
+        call: CallPlan,
         tiling: DecodeTiling,
         tabs: GroupTables,
         n_cols: int,
@@ -439,10 +346,10 @@ class TritonLoRABackend:
         g = call.g
         cols = g.cols
         block_n = tiling.row_loop_block_n
-        ch = [_cdiv(w, block_n) for w in widths] + [0] * (3 - len(widths))
+        ch = [cdiv(w, block_n) for w in widths] + [0] * (3 - len(widths))
         num_rows = meta.num_lora_rows
         cuda = y.device.type == "cuda"
-        self._k.lora_expand_rows_kernel[(_cdiv(num_rows, tiling.block_m) * sum(ch),)](
+        self._k.lora_expand_rows_kernel[(cdiv(num_rows, tiling.block_m) * sum(ch),)](
             y, g.dev.base, h, meta.row_perm, self._row_segments(g.step), meta.seg_slots, tabs.b_offs,
             tabs.ranks, tabs.scales, n_cols, y.stride(0), num_rows, meta.num_segments, *cols,
             ch[0], ch[0] + ch[1], sum(ch), n_split,

@@ -9,9 +9,10 @@ because `rank_pattern` / `alpha_pattern` make them vary per module within one ad
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,20 @@ class LoRAPair:
         return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
 
 
+class WeightFacts(NamedTuple):
+    """What the engine reads of an adapter's weights besides the tensors (`AdapterWeights`)."""
+
+    ranks: dict[tuple[int, str], int]  # (layer, target) -> rank
+    max_rank: int
+    nbytes: int
+    groups: frozenset[tuple[int, str]]  # (layer, group) pairs with at least one adapted slice
+
+
+def adapted_groups(keys: Iterable[tuple[int, str]]) -> frozenset[tuple[int, str]]:
+    """The (layer, group) pairs that the (layer, target) `keys` adapt a slice of."""
+    return frozenset((layer, TARGET_GROUP[t]) for layer, t in keys)
+
+
 @dataclass(frozen=True)
 class AdapterWeights:
     """One adapter in the execution layout: (layer index, target name) -> LoRAPair.
@@ -43,9 +58,23 @@ class AdapterWeights:
 
     pairs: Mapping[tuple[int, str], LoRAPair]
 
+    @classmethod
+    def with_facts(cls, pairs: Mapping[tuple[int, str], LoRAPair], facts: WeightFacts) -> AdapterWeights:
+        """Weights whose facts are known already: views laid out exactly like weights measured
+        before (the device pool's, adapters/device_pool.py), so a load does not walk hundreds of
+        pairs again for numbers it has."""
+        weights = cls(pairs)
+        weights.__dict__.update(facts._asdict())  # where the cached properties below keep them
+        return weights
+
+    @cached_property
+    def ranks(self) -> dict[tuple[int, str], int]:
+        """(layer, target) -> rank."""
+        return {k: p.rank for k, p in self.pairs.items()}
+
     @cached_property
     def max_rank(self) -> int:
-        return max((p.rank for p in self.pairs.values()), default=0)
+        return max(self.ranks.values(), default=0)
 
     @cached_property
     def nbytes(self) -> int:
@@ -54,7 +83,7 @@ class AdapterWeights:
     @cached_property
     def groups(self) -> frozenset[tuple[int, str]]:
         """(layer, group) pairs in which this adapter adapts at least one slice."""
-        return frozenset((layer, TARGET_GROUP[t]) for layer, t in self.pairs)
+        return adapted_groups(self.pairs)
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> AdapterWeights:
         return AdapterWeights(

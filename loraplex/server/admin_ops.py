@@ -219,6 +219,7 @@ class AdminOps:
             record = _residency_record({}, residency, "residency.")
             if name in self.control.quotas:
                 raise conflict(f"tenant {name!r} exists")
+            self.control.check_guarantees(name, limits_from_record(record))
         stored = {k: v for k, v in quotas.items() if v is not None}
         try:
             self.db.create_tenant(name, stored, who.label, record)
@@ -241,8 +242,9 @@ class AdminOps:
             if tenant not in self.control.quotas:
                 raise not_found(f"unknown tenant {tenant!r}")
             record = _residency_record(self.db.residency().get(tenant, {}), update, "")
+            limits = limits_from_record(record)
+            self.control.check_guarantees(tenant, limits)
         self.db.set_residency(tenant, record, who.label)
-        limits = limits_from_record(record)
         self.control.set_residency(tenant, limits)
         return {"name": tenant, "residency": record, "effective": effective(limits)}
 

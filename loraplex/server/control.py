@@ -29,7 +29,7 @@ from loraplex.adapters.registration_worker import WorkerProcess, prepare
 from loraplex.adapters.registry_db import DEFAULT_TENANT, AdapterRecord, RegistryDB, RegistryError
 from loraplex.adapters.sources import SourcePolicy
 from loraplex.adapters.store import AdapterStore
-from loraplex.adapters.tenant_residency import limits_from_record
+from loraplex.adapters.tenant_residency import guarantee_overcommit, limits_from_record
 from loraplex.server.auth import KeyTable, Principal, token_hash
 from loraplex.server.errors import APIError
 from loraplex.server.limits import TenantQuotas
@@ -89,6 +89,11 @@ class ControlService:
             name: limits_from_record(record) for name, record in self.db.residency().items()
         }
         engine.tiers.set_tenant_limits(self.residency)
+        # Stored limits written offline (or under a larger budget) may promise more than this
+        # server's pool holds: serve anyway, the eviction policy honours what fits, and say so.
+        overcommit = guarantee_overcommit(self.residency, engine.tiers.pool.budget_bytes)
+        if overcommit is not None:
+            print(f"warning: {overcommit}; not every guarantee can hold at once", file=sys.stderr)
         # One writer thread: registrations, aliases, retirements, tenants and keys, in order.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-control")
         engine.admission.on_drained = self._drained
@@ -184,6 +189,20 @@ class ControlService:
             result: _T = self.async_engine.call(fn).result(timeout=120)
             return result
         return fn(self.engine)
+
+    def check_guarantees(self, tenant: str, limits: TenantLimits) -> None:
+        """A 409 when `tenant` with `limits` would make all tenants' guaranteed device bytes sum
+        over the engine's adapter device budget (the server would promise bytes it does not have)."""
+        proposed = {**self.residency, tenant: limits}
+        overcommit = guarantee_overcommit(proposed, self.engine.tiers.pool.budget_bytes)
+        if overcommit is not None:
+            raise APIError(
+                409,
+                f"{overcommit} with this change (lower a guarantee, or serve with a larger "
+                "--adapter-device-bytes)",
+                param="guaranteed_bytes",
+                code="guarantee_overcommit",
+            )
 
     def set_residency(self, tenant: str, limits: TenantLimits) -> None:
         """A tenant's new residency limits, effective from the engine's next step (no restart)."""

@@ -113,20 +113,9 @@ class ServerMetrics(StepObserver):
         self.tier_budget = Gauge(
             "loraplex_adapter_tier_budget_bytes", "Byte budget per adapter tier", by_tier, registry=r
         )
-        self.tier_hits = Gauge(
-            "loraplex_adapter_tier_hits",
-            "Admitted requests by the tier their adapter was in",
-            by_tier,
-            registry=r,
-        )
-        self.adapter_events = Gauge(
-            "loraplex_adapter_residency_events",
-            "Adapter residency events so far: loads (onto the device), disk_loads, evictions, "
-            "load_failures, stalled_requests (admitted while their adapter was not on the device)",
-            ["event"],
-            registry=r,
-        )
-        self.residency = ResidencyCollector()  # histograms and counters of the tiers
+        # The tiers' running totals are counters and histograms there, one series per number;
+        # the gauges above are only levels (what is held now, and the budgets).
+        self.residency = ResidencyCollector()
         r.register(self.residency)
         self._max_adapters = 0
         self._tier_events = -1
@@ -178,7 +167,7 @@ class ServerMetrics(StepObserver):
         self.residency.stats = (
             stats  # a fresh dict from `AdapterTiers.stats()`: the engine keeps no reference
         )
-        device, host, disk = stats["device"], stats["host"], stats["disk"]
+        device, host = stats["device"], stats["host"]
         for tier, adapters, used, budget in (
             ("device", device["adapters"], device["allocated_bytes"], device["budget_bytes"]),
             ("host", host["adapters"], host["used_bytes"], host["budget_bytes"]),
@@ -186,15 +175,6 @@ class ServerMetrics(StepObserver):
             self.tier_adapters.labels(tier).set(adapters)
             self.tier_bytes.labels(tier).set(used)
             self.tier_budget.labels(tier).set(budget)
-        for tier, hits in (
-            ("device", device["hits"]),
-            ("host", stats["host_admissions"]),
-            ("disk", disk["hits"]),
-        ):
-            self.tier_hits.labels(tier).set(hits)
-        for event in ("loads", "evictions", "load_failures", "stalled_requests"):
-            self.adapter_events.labels(event).set(stats[event])
-        self.adapter_events.labels("disk_loads").set(disk["loads"])
 
     def render(self, adapters: set[str] | None = None) -> bytes:
         """The text exposition; with `adapters`, only the per-adapter series of those names (and

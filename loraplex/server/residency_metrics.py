@@ -1,6 +1,8 @@
 """The residency measurements that are histograms or counters in `/metrics`: load latency per
 source tier, time to first token by the tier the adapter was in at admission, host -> device
-bytes, hits per tier, evictions, stalled requests and their stall time.
+bytes, hits per tier, evictions, load failures, stalled requests and their stall time. Loads onto
+the device are the load histogram's counts (per source tier), so they have no series of their own.
+The tiers' levels (adapters and bytes held, budgets) are gauges in `metrics.py`.
 
 The engine keeps them as plain numbers (`adapters/tier_metrics.py`); `ServerMetrics` hands this
 collector a snapshot of `AdapterTiers.stats()` taken on the engine thread whenever residency
@@ -52,6 +54,11 @@ class ResidencyCollector(Collector):
                 "host_to_device_bytes",
             ),
             ("loraplex_adapter_evictions", "Adapters evicted from the device", "evictions"),
+            (
+                "loraplex_adapter_load_failures",
+                "Adapter loads that failed (a store read or conversion; the requests waiting got an error)",
+                "load_failures",
+            ),
             (
                 "loraplex_adapter_stalled_requests",
                 "Requests admitted while their adapter was off the device (they waited for its load)",

@@ -65,6 +65,24 @@ def test_place_copies_exact_ranks_into_aligned_views() -> None:
     pool.check_integrity()
 
 
+@pytest.mark.parametrize("seed", [2, 3, 4])
+def test_views_carry_the_facts_a_walk_of_their_pairs_finds(seed: int) -> None:
+    """The pool's views get their facts from the layout (once per layout, not per load): they are
+    what walking the views' own pairs gives, at the pool's dtype, reload after reload."""
+    pool = AdapterPool(1 << 22, torch.bfloat16, "cpu")
+    w = _adapter(seed)  # mixed ranks per pair (rank_pattern), some targets absent
+    for key in ("a", "b"):  # the second load reuses the layout's facts
+        placed = pool.place(key, w).weights
+        walked = AdapterWeights(dict(placed.pairs))
+        assert placed.ranks == walked.ranks == {k: p.a.shape[0] for k, p in w.pairs.items()}
+        assert (placed.max_rank, placed.nbytes, placed.groups) == (
+            walked.max_rank,
+            walked.nbytes,
+            walked.groups,
+        )
+        assert placed.nbytes == pool.actual_of(key)
+
+
 def test_pool_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="adapter pool budget 8 bytes is below one 16-byte unit"):
         AdapterPool(8, torch.float16, "cpu")

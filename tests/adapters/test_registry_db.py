@@ -16,6 +16,7 @@ pytest.importorskip("sqlalchemy")  # a server-side package: the GPU machine's im
 from sqlalchemy import text  # noqa: E402
 
 from loraplex.adapters import registry_db as rdb  # noqa: E402
+from loraplex.adapters import registry_schema as schema  # noqa: E402
 from loraplex.adapters.data_dir import DataDirLock, DataDirLockedError  # noqa: E402
 from loraplex.adapters.registry_db import RegistryDB, RegistryError, hash_key  # noqa: E402
 
@@ -108,7 +109,7 @@ def test_migrates_an_older_file_and_refuses_a_newer_one(tmp_path: Path, monkeypa
     def to_next(conn) -> None:  # noqa: ANN001
         conn.execute(text("ALTER TABLE adapters ADD COLUMN note VARCHAR(64) DEFAULT ''"))
 
-    monkeypatch.setattr(rdb, "SCHEMA_VERSION", current + 1)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", current + 1)
     monkeypatch.setitem(rdb.MIGRATIONS, current, to_next)
     upgraded = RegistryDB.in_dir(str(tmp_path))
     assert upgraded.schema_version == current + 1 and upgraded.resolve("sql").manifest == {"r": 16}
@@ -117,7 +118,7 @@ def test_migrates_an_older_file_and_refuses_a_newer_one(tmp_path: Path, monkeypa
     ]
     assert "note" in cols
     upgraded.close()
-    monkeypatch.setattr(rdb, "SCHEMA_VERSION", current)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", current)
     with pytest.raises(RegistryError, match="newer than this loraplex"):
         RegistryDB.in_dir(str(tmp_path))
 
@@ -145,7 +146,7 @@ def test_the_schema_and_queries_compile_for_postgresql() -> None:
     from sqlalchemy.schema import CreateTable
 
     dialect = postgresql.dialect()
-    for table in rdb.metadata.sorted_tables:
+    for table in schema.metadata.sorted_tables:
         assert "CREATE TABLE" in str(CreateTable(table).compile(dialect=dialect))
     like = select(rdb.adapters).where(rdb.adapters.c.revision.startswith("ab%", autoescape=True))
     assert "LIKE" in str(like.compile(dialect=dialect))

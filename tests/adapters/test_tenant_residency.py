@@ -1,6 +1,7 @@
 """Tenant residency limits as the registry stores them: parsing with errors naming the field, the
 merge of a partial update, the version 1 -> 2 migration that moves the old residency quotas into
-their own record, and the guaranteed adapter count in the policy."""
+their own record, the guaranteed adapter count in the policy, and the check that all tenants'
+guaranteed bytes together fit the device budget."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ from loraplex.adapters.eviction import (
     Tier,
 )
 from loraplex.adapters.registry_db import RegistryDB
-from loraplex.adapters.tenant_residency import limits_from_record, merged, record_of
+from loraplex.adapters.tenant_residency import (
+    guarantee_overcommit,
+    limits_from_record,
+    merged,
+    record_of,
+)
 
 MB = 1 << 20
 
@@ -87,3 +93,17 @@ def test_guaranteed_adapter_count_holds_against_other_tenants() -> None:
     assert not choice.ok and "guaranteed residency" in (choice.refusal or "")
     assert len(policy.choose_victims(MB, 0, resident, "flood", now=0.0).victims) == 1
     assert len(policy.choose_victims(2 * MB, 0, resident, "steady", now=0.0).victims) == 2  # its own
+
+
+def test_guarantees_summed_over_tenants_must_fit_the_device_budget() -> None:
+    limits = {
+        "gold": TenantLimits(guaranteed_bytes=6 * MB),
+        "silver": TenantLimits(guaranteed_bytes=4 * MB),
+        "free": TenantLimits(guaranteed_adapters=3),  # counts are not summed: sizes are unknown
+    }
+    assert guarantee_overcommit(limits, 10 * MB) is None  # exactly full is allowed
+    why = guarantee_overcommit(limits, 10 * MB - 1)
+    assert why is not None
+    assert f"sum to {10 * MB} (gold {6 * MB}, silver {4 * MB})" in why
+    assert f"budget of {10 * MB - 1} bytes" in why and "free" not in why
+    assert guarantee_overcommit({}, 0) is None

@@ -67,6 +67,7 @@ def test_graph_replays_counted_only_for_real_replays() -> None:
     assert re.search(r"^loraplex_kernel_compiles 5\.0$", text, re.M)
     assert re.search(r"^loraplex_startup_warmup_seconds 1\.5$", text, re.M)
     assert re.search(r'^loraplex_adapter_tier_budget_bytes\{tier="device"\} 1024\.0$', text, re.M)
+    assert re.search(r"^loraplex_adapter_load_failures_total 0\.0$", text, re.M)
     engine.last_stats = _stats(False)  # an eager step
     metrics.on_step(engine)
     engine.last_stats, engine.graph_replays = _stats(True), 0  # static buffers, no graphs (CPU)

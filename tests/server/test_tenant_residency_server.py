@@ -1,8 +1,10 @@
 """Tenant residency limits through the admin API on a live server whose device pool holds one demo
 adapter: set at creation and by PATCH (bad values are 400s naming the field), shown in
-`GET /admin/v1/residency`, applied without a restart (a cold load over the rate is refused with a
-429 and `Retry-After`, then allowed once the limit is lifted), persisted across a restart; and
-the residency histograms and counters of `/metrics` move under eviction pressure."""
+`GET /admin/v1/residency`, refused with a 409 when all tenants' guaranteed bytes would exceed
+the device budget (a restart on stored limits that do only warns), applied without a restart (a
+cold load over the rate is refused with a 429 and `Retry-After`, then allowed once the limit is
+lifted), persisted across a restart; and the residency histograms and counters of `/metrics` move
+under eviction pressure."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from helpers.admin_server import ADMIN, MODEL, admin, auth, complete, demo_footprint, sources
 from helpers.live_server import live_server
 
+from loraplex.adapters.registry_db import RegistryDB
 from loraplex.config import LoRAConfig
 from loraplex.demo import DEMO_ADAPTERS
 
@@ -25,7 +28,9 @@ def _series(metrics: str, name: str) -> float:
     return sum(float(v) for v in values)
 
 
-def test_residency_limits_through_the_admin_api(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_residency_limits_through_the_admin_api(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("LORAPLEX_ADMIN_KEY", ADMIN)
     room = max(demo_footprint(p) for p in DEMO_ADAPTERS.values())
     lora = LoRAConfig(adapter_device_bytes=room, adapter_host_bytes=0)
@@ -53,6 +58,21 @@ def test_residency_limits_through_the_admin_api(monkeypatch: pytest.MonkeyPatch,
         assert changed.json()["residency"] == {"priority": 4.0, "guaranteed_adapters": 1}
         gold = admin("GET", base, "/residency").json()["tenants"]["gold"]
         assert gold["limits"]["priority"] == 4.0 and gold["limits"]["guaranteed_adapters"] == 1
+
+        # Guarantees are promises of device bytes: together they may not exceed the pool.
+        whole = admin("PATCH", base, "/tenants/gold/residency", json={"guaranteed_bytes": room})
+        assert whole.status_code == 200, whole.text
+        over = admin("POST", base, "/tenants", json={"name": "lead", "residency": {"guaranteed_bytes": 1}})
+        assert over.status_code == 409, over.text
+        message = over.json()["error"]["message"]
+        assert f"sum to {room + 1} (gold {room}, lead 1)" in message and f"budget of {room} bytes" in message
+        assert "lead" not in {t["name"] for t in admin("GET", base, "/tenants").json()["data"]}
+        over = admin("PATCH", base, "/tenants/default/residency", json={"guaranteed_bytes": 2})
+        assert over.status_code == 409 and "default 2, gold" in over.json()["error"]["message"]
+        kept = admin("GET", base, "/residency").json()["tenants"]["default"]["limits"]
+        assert kept["guaranteed_bytes"] == 0
+        reset = admin("PATCH", base, "/tenants/gold/residency", json={"guaranteed_bytes": None})
+        assert reset.status_code == 200, reset.text
 
         # The demo adapters are the default tenant's. Under pressure every residency measurement moves.
         for i in range(8):
@@ -82,7 +102,16 @@ def test_residency_limits_through_the_admin_api(monkeypatch: pytest.MonkeyPatch,
         reset = {"cold_load_bytes_per_minute": None, "cold_load_over_rate": None}
         assert admin("PATCH", base, "/tenants/default/residency", json=reset).json()["residency"] == {}
         assert all(complete(base, ADMIN, t).status_code == 200 for t in tasks)  # no restart needed
+    # Limits stored past the API (offline, or under a larger budget) that overcommit: the next
+    # startup warns and serves.
+    db = RegistryDB.in_dir(data_dir)
+    db.set_residency("default", {"guaranteed_bytes": 2 * room}, "test")
+    db.close()
+    capfd.readouterr()
     with live_server(MODEL, demo, source_roots=(str(root),), lora=lora, data_dir=data_dir) as (base, _):
         tenants = {t["name"]: t for t in admin("GET", base, "/tenants").json()["data"]}
         assert tenants["gold"]["residency"] == {"priority": 4.0, "guaranteed_adapters": 1}
         assert admin("GET", base, "/residency").json()["tenants"]["gold"]["limits"]["priority"] == 4.0
+        assert all(complete(base, ADMIN, t).status_code == 200 for t in tasks)
+    warned = capfd.readouterr().err
+    assert f"warning: the tenants' guaranteed device bytes sum to {2 * room} (default {2 * room})" in warned

@@ -4,6 +4,7 @@ host tier or the store), and the tiers show in `/metrics` and `GET /admin/v1/res
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,4 +48,11 @@ def test_room_for_one_demo_adapter(
         assert 1 <= len(on_device) < len(demo) and all(a["names"] for a in on_device)
         metrics = httpx.get(f"{base}/metrics", headers=auth(ADMIN)).text
         assert 'loraplex_adapter_tier_budget_bytes{tier="device"}' in metrics
-        assert 'loraplex_adapter_residency_events{event="evictions"}' in metrics
+        evictions = re.search(r"^loraplex_adapter_evictions_total (\S+)$", metrics, re.M)
+        assert evictions and float(evictions.group(1)) == body["tiers"]["evictions"]
+        admitted = re.findall(r'^loraplex_adapter_admissions_total\{tier="(\w+)"\} (\S+)$', metrics, re.M)
+        assert sum(float(n) for _, n in admitted) == len(jobs)
+        loads = re.findall(r'^loraplex_adapter_load_seconds_count\{tier="\w+"\} (\S+)$', metrics, re.M)
+        assert sum(float(n) for n in loads) == body["tiers"]["loads"]  # loads: the histogram's counts
+        for gone in ("loraplex_adapter_tier_hits", "loraplex_adapter_residency_events"):
+            assert gone not in metrics  # one series per number: the counters above
