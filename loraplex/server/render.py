@@ -192,6 +192,10 @@ class Renderer:
         # What the usage chunk counts: each choice's prompt (on its first delta) and tokens.
         prompt_lens = [0] * len(runs)
         num_tokens = [0] * len(runs)
+        # Where each choice's next token starts in its text (the legacy logprobs' text_offset): by
+        # the tokens' own text, as in a full response, not by the text sent, which a stream holds
+        # back while it could still be a stop string.
+        offsets = [len(run.echo_text or "") for run in runs]
         finished = [False] * len(runs)
         try:
             if chat:
@@ -238,8 +242,9 @@ class Renderer:
                             "logprobs": lp,
                         }
                     else:
-                        offset = len(run.echo_text or "") + streamers[i].sent - len(text)
-                        lp = self.completion_logprobs(delta.token_ids, delta.logprobs, offset)
+                        lp = self.completion_logprobs(delta.token_ids, delta.logprobs, offsets[i])
+                        if lp is not None and lp["tokens"]:
+                            offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                         choice = {"index": run.index, "text": text, "logprobs": lp}
                     num_tokens[i] += len(delta.token_ids)
                     choice["finish_reason"] = delta.finish_reason if delta.finished else None
