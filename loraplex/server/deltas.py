@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from loraplex.engine.sequence import Sequence
+from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.types import AdapterRef, Logprobs, RequestOutput
 
 
@@ -64,10 +64,20 @@ class Cursor:
         return OutputDelta(token_ids[start:], text_start, text[text_start:], new_lps, finished, finish_reason)
 
     def of_sequence(self, seq: Sequence) -> OutputDelta:
-        """The delta of a live engine sequence (the step's hand-off)."""
-        params = seq.params
-        lps = seq.logprobs if params.logprobs is not None else None
-        delta = self.advance(seq.output_token_ids, seq.text, lps, seq.is_finished, seq.finish_reason)
+        """The delta of a live engine sequence (the step's hand-off; `advance`, inlined: the step
+        thread makes one per stream per step)."""
+        tokens, text, params = seq.output_token_ids, seq.text, seq.params
+        start, text_len = self.num_tokens, len(text)
+        text_start = self.text_len if self.text_len < text_len else text_len
+        self.num_tokens, self.text_len = len(tokens), text_len
+        delta = OutputDelta(
+            tokens[start:],
+            text_start,
+            text[text_start:],
+            None if params.logprobs is None else seq.logprobs[start:],
+            seq.status is SequenceStatus.FINISHED,
+            seq.finish_reason,
+        )
         if self.started:
             return delta
         self.started = True
