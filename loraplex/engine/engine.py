@@ -246,6 +246,10 @@ class Engine:
             finish_reason=seq.finish_reason,
         )
 
+    def sequence(self, request_id: str) -> Sequence:
+        """The request's live state, not a copy: for the engine's own thread, to read only."""
+        return self._seqs[request_id]
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's state (call after reading its output)."""
         seq = self._seqs.get(request_id)

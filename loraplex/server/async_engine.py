@@ -3,7 +3,8 @@ asyncio consumers.
 
 The engine is single-threaded by design: every call into it (add_request, abort, step) happens
 on the loop thread. HTTP handlers talk to it through a command queue; each request gets an
-asyncio queue of `RequestOutput` snapshots, one per step that produced a token for it.
+asyncio queue of `OutputDelta`s (`deltas.py`), one per step that produced output for it: the new
+tokens, text and logprobs, never a copy of what came before.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.engine import Engine
+from loraplex.server.deltas import Cursor, OutputDelta
 from loraplex.types import AdapterRef, RequestOutput, SamplingParams
 
 # The step thread and the event loop share the GIL. Every torch op and every socket write releases
@@ -33,11 +35,11 @@ SWITCH_INTERVAL_S = 0.0005
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[RequestOutput]
+    outputs: asyncio.Queue[OutputDelta]
     arrival: float
     adapter: AdapterRef | None = None
     first_token: float | None = None
-    num_tokens: int = 0
+    sent: Cursor = field(default_factory=Cursor)  # what `outputs` has been given so far
 
 
 @dataclass
@@ -91,7 +93,7 @@ class AsyncEngine:
         requests: list[tuple[str, str | list[int], SamplingParams]],
         adapter: str | AdapterRef | None,
         tenant: str | None = None,
-    ) -> list[asyncio.Queue[RequestOutput]]:
+    ) -> list[asyncio.Queue[OutputDelta]]:
         """Admit requests together in one engine command: every one on the same adapter revision,
         and none of them if one is refused (the engine's ValueError is raised here). The adapter
         (an alias, a name or name@revision) is resolved there, among what `tenant` may use."""
@@ -125,7 +127,7 @@ class AsyncEngine:
         except BaseException as err:  # surface a crashed loop through /health instead of hanging
             self.error = err
             for rid, stream in list(self._streams.items()):
-                self._push(stream, _aborted(self.engine, rid))
+                self._push(stream, stream.sent.of_output(_aborted(self.engine, rid)))
             raise
 
     def _drain(self, block: bool) -> None:
@@ -154,7 +156,7 @@ class AsyncEngine:
                 self.engine.release(rid)
                 if stream is not None:
                     self.observer.on_finished(out, None)
-                    self._push(stream, out)
+                    self._push(stream, stream.sent.of_output(out))
         elif cmd[0] == "call":
             _, fn, fut = cmd
             try:
@@ -187,43 +189,44 @@ class AsyncEngine:
         cmd.done.set_result(None)
 
     def _step(self) -> None:
-        deltas = self.engine.step()
+        engine = self.engine
+        deltas = engine.step()
         now = time.monotonic()
-        # One wake-up of each consumer loop per step, carrying every snapshot for it (a wake-up per
+        # One wake-up of each consumer loop per step, carrying every delta for it (a wake-up per
         # request costs the step thread a few microseconds each, at hundreds of streams per step).
-        batches: dict[
-            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]
-        ] = {}
-        for delta in deltas:
-            stream = self._streams.get(delta.request_id)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[OutputDelta], OutputDelta]]] = {}
+        for step_delta in deltas:
+            rid = step_delta.request_id
+            stream = self._streams.get(rid)
             if stream is None:
                 continue
-            out = self.engine.output(delta.request_id, copy_prompt=False)
+            delta = stream.sent.of_sequence(engine.sequence(rid))
             if stream.first_token is None:
                 stream.first_token = now
                 self.observer.on_first_token(stream.adapter, now - stream.arrival)
-            stream.num_tokens = len(out.token_ids)
-            if delta.finished:
-                del self._streams[delta.request_id]
-                self.engine.release(delta.request_id)
-                tpot = (now - stream.first_token) / (stream.num_tokens - 1) if stream.num_tokens > 1 else None
+            if step_delta.finished:
+                del self._streams[rid]
+                out = engine.output(rid, copy_prompt=False)  # once per request, for the observer
+                engine.release(rid)
+                num_tokens = stream.sent.num_tokens
+                tpot = (now - stream.first_token) / (num_tokens - 1) if num_tokens > 1 else None
                 self.observer.on_finished(out, tpot)
-            batches.setdefault(stream.loop, []).append((stream.outputs, out))
+            batches.setdefault(stream.loop, []).append((stream.outputs, delta))
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens any more
                 loop.call_soon_threadsafe(_deliver, items)
-        self.observer.on_step(self.engine)
+        self.observer.on_step(engine)
 
     @staticmethod
-    def _push(stream: _Stream, out: RequestOutput) -> None:
+    def _push(stream: _Stream, delta: OutputDelta) -> None:
         # RuntimeError: the consumer's event loop is closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, delta)
 
 
-def _deliver(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
-    for outputs, out in items:
-        outputs.put_nowait(out)
+def _deliver(items: list[tuple[asyncio.Queue[OutputDelta], OutputDelta]]) -> None:
+    for outputs, delta in items:
+        outputs.put_nowait(delta)
 
 
 def _aborted(engine: Engine, request_id: str) -> RequestOutput:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from loraplex.server.async_engine import AsyncEngine
+from loraplex.server.deltas import Accumulator, OutputDelta
 from loraplex.types import RequestOutput, SamplingParams
 
 
@@ -29,7 +30,7 @@ async def run_choices(
     runs: list[ChoiceRun],
     adapter: str | None,
     tenant: str | None = None,
-) -> list[asyncio.Queue[RequestOutput]]:
+) -> list[asyncio.Queue[OutputDelta]]:
     """Admit every choice in one engine command: all or none, and all on one adapter revision, so
     a registration in between cannot split one response across two revisions."""
     return await async_engine.add_many(
@@ -37,11 +38,14 @@ async def run_choices(
     )
 
 
-async def _final(q: asyncio.Queue[RequestOutput]) -> RequestOutput:
-    while True:
-        out = await q.get()
-        if out.finished:
-            return out
+async def _final(request_id: str, q: asyncio.Queue[OutputDelta]) -> RequestOutput:
+    """The whole output, assembled from the request's deltas."""
+    delta = await q.get()
+    whole = Accumulator(delta)
+    while not delta.finished:
+        delta = await q.get()
+        whole.add(delta)
+    return whole.output(request_id)
 
 
 async def collect(
@@ -49,10 +53,12 @@ async def collect(
     request: Request,
     request_id: str,
     runs: list[ChoiceRun],
-    queues: list[asyncio.Queue[RequestOutput]],
+    queues: list[asyncio.Queue[OutputDelta]],
 ) -> list[RequestOutput] | None:
     """Wait for every choice to finish; None (and every choice aborted) if the client disconnects."""
-    gathered = asyncio.gather(*(_final(q) for q in queues))
+    gathered = asyncio.gather(
+        *(_final(run.request_id(request_id), q) for run, q in zip(runs, queues, strict=True))
+    )
     while True:
         done, _ = await asyncio.wait({gathered}, timeout=0.2)
         if done:

@@ -1,4 +1,4 @@
-"""Engine outputs -> OpenAI response bodies and stream chunks."""
+"""Engine outputs -> OpenAI response bodies; per-step deltas -> stream chunks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from loraplex.server.choices import ChoiceRun
-from loraplex.types import RequestOutput
+from loraplex.server.deltas import Accumulator, OutputDelta
+from loraplex.types import Logprobs, RequestOutput
 
 
 class TextStreamer:
@@ -17,18 +18,27 @@ class TextStreamer:
 
     def __init__(self, stop: Sequence[str]) -> None:
         self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.sent = 0
+        self.sent = 0  # characters sent
+        self.pending = ""  # the text after them, received and not sent yet
 
-    def delta(self, text: str, finished: bool) -> str:
-        end = len(text) if finished else len(text) - self.holdback
+    def feed(self, start: int, text: str, finished: bool) -> str:
+        """Take a delta's text, which replaces the request's text from `start` on (a stop string
+        cuts only held-back text), and return what can be sent now."""
+        keep = start - self.sent
+        if keep < 0:  # would take back sent text (the holdback rules it out): keep what was sent
+            text = text[-keep:]
+            keep = 0
+        pending = self.pending[:keep] + text if keep < len(self.pending) else self.pending + text
+        end = len(pending) if finished else len(pending) - self.holdback
         if not finished:
-            while end > self.sent and text[end - 1] == "\ufffd":
+            while end > 0 and pending[end - 1] == "\ufffd":
                 end -= 1
-        if end <= self.sent:
+        if end <= 0:
+            self.pending = pending
             return ""
-        out = text[self.sent : end]
-        self.sent = end
-        return out
+        self.pending = pending[end:]
+        self.sent += end
+        return pending[:end]
 
 
 # Logprobs render as finite numbers: JSON has no -Infinity, and a token the model rules out entirely
@@ -50,14 +60,15 @@ class Renderer:
 
     # --- logprobs -------------------------------------------------------------------------------
 
-    def completion_logprobs(self, out: RequestOutput, start: int, offset: int) -> dict[str, Any] | None:
-        """OpenAI's legacy logprobs of the generated tokens from `start` on; text offsets count from
-        `offset` (the characters of the choice's text before them)."""
-        if out.logprobs is None:
+    def completion_logprobs(
+        self, token_ids: list[int], logprobs: list[Logprobs] | None, offset: int
+    ) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs of these generated tokens; text offsets count from `offset` (the
+        characters of the choice's text before them). None when the request asked for none."""
+        if logprobs is None:
             return None
         tokens, token_lps, tops, offsets = [], [], [], []
-        for i in range(start, len(out.token_ids)):
-            tid, lps = out.token_ids[i], out.logprobs[i]
+        for tid, lps in zip(token_ids, logprobs, strict=True):
             text = self.token_text(tid)
             tokens.append(text)
             token_lps.append(finite_logprob(lps[tid]))
@@ -66,13 +77,15 @@ class Renderer:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def prompt_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+    def prompt_logprobs(
+        self, prompt_token_ids: list[int], prompt_logprobs: list[Logprobs | None] | None
+    ) -> dict[str, Any]:
         """The legacy logprobs of an echoed prompt: the first token has no context, so its logprob
         and top entries are null."""
         tokens, token_lps, tops, offsets = [], [], [], []
         offset = 0
-        plps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        for tid, lps in zip(out.prompt_token_ids, plps, strict=True):
+        plps = prompt_logprobs or [None] * len(prompt_token_ids)
+        for tid, lps in zip(prompt_token_ids, plps, strict=True):
             text = self.token_text(tid)
             tokens.append(text)
             token_lps.append(None if lps is None else finite_logprob(lps[tid]))
@@ -84,12 +97,13 @@ class Renderer:
     def _top(self, lps: dict[int, float]) -> dict[str, float]:
         return {self.token_text(t): finite_logprob(lp) for t, lp in lps.items()}
 
-    def chat_logprobs(self, out: RequestOutput, start: int, top_n: int) -> dict[str, Any] | None:
-        if out.logprobs is None:
+    def chat_logprobs(
+        self, token_ids: list[int], logprobs: list[Logprobs] | None, top_n: int
+    ) -> dict[str, Any] | None:
+        if logprobs is None:
             return None
         content = []
-        for i in range(start, len(out.token_ids)):
-            tid, lps = out.token_ids[i], out.logprobs[i]
+        for tid, lps in zip(token_ids, logprobs, strict=True):
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
             content.append(
                 {
@@ -120,7 +134,7 @@ class Renderer:
                     {
                         "index": run.index,
                         "message": {"role": "assistant", "content": out.text},
-                        "logprobs": self.chat_logprobs(out, 0, run.params.logprobs or 0),
+                        "logprobs": self.chat_logprobs(out.token_ids, out.logprobs, run.params.logprobs or 0),
                         "finish_reason": out.finish_reason,
                     }
                 )
@@ -139,22 +153,25 @@ class Renderer:
             "created": int(time.time()),
             "model": model,
             "choices": choices,
-            "usage": _usage(runs, finals),
+            "usage": _usage(
+                runs, [len(f.prompt_token_ids) for f in finals], [len(f.token_ids) for f in finals]
+            ),
         }
 
     def _full_completion_logprobs(self, run: ChoiceRun, out: RequestOutput) -> dict[str, Any] | None:
         if out.logprobs is None:
             return None
+        generated = self.completion_logprobs(out.token_ids, out.logprobs, len(run.echo_text or ""))
         if run.echo_text is None:
-            return self.completion_logprobs(out, 0, 0)
-        return _joined(self.prompt_logprobs(out), self.completion_logprobs(out, 0, len(run.echo_text)))
+            return generated
+        return _joined(self.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs), generated)
 
     async def stream(
         self,
         request_id: str,
         model: str,
         runs: list[ChoiceRun],
-        queues: list[asyncio.Queue[RequestOutput]],
+        queues: list[asyncio.Queue[OutputDelta]],
         chat: bool,
         include_usage: bool,
     ) -> AsyncIterator[dict[str, Any]]:
@@ -166,14 +183,20 @@ class Renderer:
             "model": model,
         }
         # One choice (the usual case) reads its queue directly; several are merged by pump tasks.
-        merged: asyncio.Queue[tuple[int, RequestOutput]] | None = None
+        merged: asyncio.Queue[tuple[int, OutputDelta]] | None = None
         pumps = []
         if len(queues) > 1:
             merged = asyncio.Queue()
             pumps = [asyncio.create_task(_pump(i, q, merged)) for i, q in enumerate(queues)]
         streamers = [TextStreamer(run.params.stop) for run in runs]
-        tokens_sent = [0] * len(runs)
-        finals: list[RequestOutput | None] = [None] * len(runs)
+        # What the usage chunk counts: each choice's prompt (on its first delta) and tokens.
+        prompt_lens = [0] * len(runs)
+        num_tokens = [0] * len(runs)
+        # Where each choice's next token starts in its text (the legacy logprobs' text_offset): by
+        # the tokens' own text, as in a full response, not by the text sent, which a stream holds
+        # back while it could still be a stop string.
+        offsets = [len(run.echo_text or "") for run in runs]
+        finished = [False] * len(runs)
         try:
             if chat:
                 for run in runs:
@@ -189,12 +212,16 @@ class Renderer:
                         ],
                     }
             echoed = [run.echo_text is None for run in runs]
-            while any(f is None for f in finals):
-                for i, out in (await _newest(queues[0], merged)).items():
+            while not all(finished):
+                for i, delta in (await _pending(queues[0], merged)).items():
                     run = runs[i]
-                    if not echoed[i]:  # the prompt goes out first, with the first snapshot's logprobs
+                    if delta.prompt_token_ids is not None:  # the choice's first delta
+                        prompt_lens[i] = len(delta.prompt_token_ids)
+                    if not echoed[i]:  # the prompt goes out first, with the first delta's logprobs
                         echoed[i] = True
-                        lp = self.prompt_logprobs(out) if out.prompt_logprobs is not None else None
+                        lp = None
+                        if delta.prompt_logprobs is not None:
+                            lp = self.prompt_logprobs(delta.prompt_token_ids or [], delta.prompt_logprobs)
                         yield {
                             **head,
                             "choices": [
@@ -206,26 +233,26 @@ class Renderer:
                                 }
                             ],
                         }
-                    text = streamers[i].delta(out.text, out.finished)
+                    text = streamers[i].feed(delta.text_start, delta.text, delta.finished)
                     if chat:
-                        lp = self.chat_logprobs(out, tokens_sent[i], run.params.logprobs or 0)
+                        lp = self.chat_logprobs(delta.token_ids, delta.logprobs, run.params.logprobs or 0)
                         choice = {
                             "index": run.index,
                             "delta": {"content": text} if text else {},
                             "logprobs": lp,
                         }
                     else:
-                        offset = len(run.echo_text or "") + streamers[i].sent - len(text)
-                        lp = self.completion_logprobs(out, tokens_sent[i], offset)
+                        lp = self.completion_logprobs(delta.token_ids, delta.logprobs, offsets[i])
+                        if lp is not None and lp["tokens"]:
+                            offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                         choice = {"index": run.index, "text": text, "logprobs": lp}
-                    tokens_sent[i] = len(out.token_ids)
-                    choice["finish_reason"] = out.finish_reason if out.finished else None
-                    if out.finished:
-                        finals[i] = out
-                    if text or out.finished or lp is not None:
+                    num_tokens[i] += len(delta.token_ids)
+                    choice["finish_reason"] = delta.finish_reason if delta.finished else None
+                    finished[i] = delta.finished
+                    if text or delta.finished or lp is not None:
                         yield {**head, "choices": [choice]}
             if include_usage:
-                yield {**head, "choices": [], "usage": _usage(runs, [f for f in finals if f is not None])}
+                yield {**head, "choices": [], "usage": _usage(runs, prompt_lens, num_tokens)}
         finally:
             for p in pumps:
                 p.cancel()
@@ -237,45 +264,54 @@ def _joined(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
     return {key: a[key] + b[key] for key in a}
 
 
-async def _newest(
-    single: asyncio.Queue[RequestOutput], merged: asyncio.Queue[tuple[int, RequestOutput]] | None
-) -> dict[int, RequestOutput]:
-    """The newest snapshot of each choice with new output, waiting for one. Everything queued
-    since the last call is taken at once: a snapshot holds all of its request's output so far, so
-    a consumer that fell behind by several steps sends one chunk for them, not one per step (at
-    hundreds of streams the event loop's cost per chunk is what falls behind)."""
+async def _pending(
+    single: asyncio.Queue[OutputDelta], merged: asyncio.Queue[tuple[int, OutputDelta]] | None
+) -> dict[int, OutputDelta]:
+    """The deltas of each choice with new output, waiting for one, every one queued since the last
+    call joined into one per choice: a consumer that fell behind by several steps sends one chunk
+    for them, not one per step (at hundreds of streams the event loop's cost per chunk is what
+    falls behind)."""
     if merged is None:
-        out = await single.get()
+        delta = await single.get()
+        if single.empty():
+            return {0: delta}
+        joined = Accumulator(delta)
         while not single.empty():
-            out = single.get_nowait()
-        return {0: out}
-    i, out = await merged.get()
-    newest = {i: out}
+            joined.add(single.get_nowait())
+        return {0: joined.delta()}
+    i, delta = await merged.get()
+    firsts = {i: delta}
+    joins: dict[int, Accumulator] = {}
     while not merged.empty():
-        i, out = merged.get_nowait()
-        newest[i] = out
-    return newest
+        i, delta = merged.get_nowait()
+        if i not in firsts:
+            firsts[i] = delta
+            continue
+        if i not in joins:
+            joins[i] = Accumulator(firsts[i])
+        joins[i].add(delta)
+    return {i: joins[i].delta() if i in joins else first for i, first in firsts.items()}
 
 
 async def _pump(
-    index: int, source: asyncio.Queue[RequestOutput], sink: asyncio.Queue[tuple[int, RequestOutput]]
+    index: int, source: asyncio.Queue[OutputDelta], sink: asyncio.Queue[tuple[int, OutputDelta]]
 ) -> None:
     while True:
-        out = await source.get()
-        await sink.put((index, out))
-        if out.finished:
+        delta = await source.get()
+        await sink.put((index, delta))
+        if delta.finished:
             return
 
 
-def _usage(runs: list[ChoiceRun], finals: list[RequestOutput]) -> dict[str, int]:
+def _usage(runs: list[ChoiceRun], prompt_lens: list[int], completion_lens: list[int]) -> dict[str, int]:
     prompt_tokens = 0
     seen_prompts: set[int] = set()
-    for run, out in zip(runs, finals, strict=True):
+    for run, prompt_len in zip(runs, prompt_lens, strict=True):
         key = id(run.prompt)
         if key not in seen_prompts:  # n choices of one prompt count its tokens once
             seen_prompts.add(key)
-            prompt_tokens += len(out.prompt_token_ids)
-    completion = sum(len(out.token_ids) for out in finals)
+            prompt_tokens += prompt_len
+    completion = sum(completion_lens)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
