@@ -108,10 +108,15 @@ def layout_facts(pairs: tuple[_Pair, ...], actual: int) -> WeightFacts:
 
 
 def views(
-    flat: torch.Tensor, start: int, pairs: tuple[_Pair, ...], facts: WeightFacts | None = None
+    flat: torch.Tensor,
+    start: int,
+    pairs: tuple[_Pair, ...],
+    facts: WeightFacts | None = None,
+    size: int | None = None,
 ) -> AdapterWeights:
     """The pairs of an extent starting `start` bytes into the 1-D tensor `flat`, as views;
-    `facts`: theirs (`layout_facts`), known already."""
+    `facts`: theirs (`layout_facts`), known already; `size`: the extent's footprint, given to
+    carry the extent's span as `packed`."""
     elem = flat.element_size()
     view = flat.as_strided  # one call per tensor (a slice then a view would be two)
     out = {}
@@ -120,7 +125,10 @@ def views(
         a = view(p.a_shape, (ca, 1), (start + p.a_off) // elem)
         b = view(p.b_shape, (cb, 1), (start + p.b_off) // elem)
         out[p.key] = LoRAPair(a, b, p.scale)
-    return AdapterWeights(out) if facts is None else AdapterWeights.with_facts(out, facts)
+    packed = None if size is None else flat[start // elem : (start + size) // elem]
+    if facts is None:
+        return AdapterWeights(out, packed)
+    return AdapterWeights.with_facts(out, facts, packed)
 
 
 @dataclass(frozen=True)
@@ -212,7 +220,7 @@ class AdapterPool:
         """`key`'s weights as views into the pool at its current place."""
         ext = self._extents[key]
         if ext.cached is None or ext.cached[0] != ext.start:
-            ext.cached = (ext.start, views(self.buffer, ext.start, ext.pairs, ext.facts))
+            ext.cached = (ext.start, views(self.buffer, ext.start, ext.pairs, ext.facts, ext.size))
         return ext.cached[1]
 
     # --- placing and freeing --------------------------------------------------------------------

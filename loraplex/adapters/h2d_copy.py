@@ -85,6 +85,12 @@ def packed_spans(dst: AdapterWeights, src: AdapterWeights) -> tuple[torch.Tensor
 
 def copy_weights(dst: AdapterWeights, src: AdapterWeights, non_blocking: bool) -> None:
     """Copy `src` into `dst` (same keys and shapes): one copy when both are packed alike."""
+    d, s = dst.packed, src.packed
+    if d is not None and s is not None and d.shape == s.shape and d.dtype == s.dtype:
+        # both are whole extents of one layout (the pool's views of the room reserved for `src`,
+        # and the host tier's copy): one span, no per-tensor checks
+        d.copy_(s, non_blocking=non_blocking)
+        return
     spans = packed_spans(dst, src)
     if spans is not None:
         spans[0].copy_(spans[1], non_blocking=non_blocking)

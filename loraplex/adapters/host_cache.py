@@ -60,7 +60,7 @@ class HostCache:
         elem = torch.empty(0, dtype=self.dtype).element_size()
         pairs, size, _ = layout(weights, elem)
         flat = torch.empty(size // elem, dtype=self.dtype, pin_memory=self.pin)
-        packed = views(flat, 0, pairs)
+        packed = views(flat, 0, pairs, size=size)
         for key, p in packed.pairs.items():  # copy_ converts device and dtype
             p.a.copy_(weights.pairs[key].a.detach())
             p.b.copy_(weights.pairs[key].b.detach())

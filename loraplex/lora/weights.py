@@ -10,7 +10,7 @@ because `rank_pattern` / `alpha_pattern` make them vary per module within one ad
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
@@ -57,13 +57,22 @@ class AdapterWeights:
     """
 
     pairs: Mapping[tuple[int, str], LoRAPair]
+    # When set: the one 1-D buffer every tensor of `pairs` is a view into, laid out from its start
+    # as a device pool extent (`adapters/device_pool.layout`): the host tier's copies and the
+    # pool's views carry it, so a load copies one span without looking at hundreds of tensors.
+    packed: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def with_facts(cls, pairs: Mapping[tuple[int, str], LoRAPair], facts: WeightFacts) -> AdapterWeights:
+    def with_facts(
+        cls,
+        pairs: Mapping[tuple[int, str], LoRAPair],
+        facts: WeightFacts,
+        packed: torch.Tensor | None = None,
+    ) -> AdapterWeights:
         """Weights whose facts are known already: views laid out exactly like weights measured
         before (the device pool's, adapters/device_pool.py), so a load does not walk hundreds of
         pairs again for numbers it has."""
-        weights = cls(pairs)
+        weights = cls(pairs, packed)
         weights.__dict__.update(facts._asdict())  # where the cached properties below keep them
         return weights
 

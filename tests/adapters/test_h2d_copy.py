@@ -74,8 +74,14 @@ def test_host_copies_are_packed_like_the_pool_so_a_load_is_one_copy() -> None:
     dst = res.reserve("r", host)
     spans = packed_spans(dst, host)
     assert spans is not None and spans[0].numel() * 4 == res.pool.allocated_of("r")
+    # both carry their extent's span: the copy is that one span, and it covers every tensor
+    assert dst.packed is not None and host.packed is not None
+    assert dst.packed.numel() * 4 == res.pool.allocated_of("r") == host.packed.numel() * 4
+    dst.packed.fill_(float("nan"))
     copy_weights(dst, host, non_blocking=False)
     assert _equal(dst, host)
+    # the span fast path gives the bytes the per-tensor check would have copied
+    assert torch.equal(spans[0], spans[1])
     # weights not packed alike (separate tensors) still copy right, pair by pair
     loose = _weights(2)
     assert packed_spans(dst, loose) is None
