@@ -216,6 +216,11 @@ class AdapterPool:
     def actual_of(self, key: str) -> int:
         return self._extents[key].actual
 
+    def span(self, key: str) -> torch.Tensor:
+        """`key`'s extent as one 1-D view of the pool (alignment gaps included)."""
+        ext = self._extents[key]
+        return self.buffer[ext.start // self.elem : (ext.start + ext.size) // self.elem]
+
     def weights(self, key: str) -> AdapterWeights:
         """`key`'s weights as views into the pool at its current place."""
         ext = self._extents[key]
@@ -236,7 +241,8 @@ class AdapterPool:
     ) -> Placement:
         """Copy `weights` into the pool under `key` and return views of them, compacting when no
         free run is large enough. Adapters in `fixed` and in flight are not moved. `copy=False`
-        only reserves the extent and marks `key` in flight (its caller copies, then `settle`s).
+        only reserves the extent and marks `key` in flight (its caller copies, then `settle`s);
+        it returns the extent as a span (`packed`, no pairs: `weights(key)` makes the views).
         Raises `PoolFullError` (and changes nothing) when the room cannot be made, ValueError on
         malformed weights."""
         if key in self._extents:
@@ -250,10 +256,10 @@ class AdapterPool:
         self._extents[key] = ext
         self.allocated_bytes += size
         self.used_bytes += actual
-        placed = self.weights(key)
         if not copy:
             self.in_flight.add(key)
-            return Placement(placed, moved)
+            return Placement(AdapterWeights({}, self.span(key)), moved)
+        placed = self.weights(key)
         for p in pairs:  # copy_ converts dtype and device, and keeps the views' layout
             src = weights.pairs[p.key]
             placed.pairs[p.key].a.copy_(src.a, non_blocking=non_blocking)

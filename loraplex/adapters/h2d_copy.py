@@ -159,12 +159,20 @@ class AsyncLoads:
         """Reserve room for `revision` (the caller has made it; PoolFullError changes nothing)
         and queue the copy of `weights` (host, the pool's dtype) into it."""
         started = self.clock()
-        dst = self.residency.reserve(revision, weights)
+        room = self.residency.reserve(revision, weights)
+        pool = self.residency.pool
+        assert pool is not None and room.packed is not None
+        src = weights.packed
+        one_span = src is not None and src.shape == room.packed.shape and src.dtype == room.packed.dtype
         try:
-            event = self.copier.copy(dst, weights)
+            # A host copy packed like the extent is copied as one span before the views exist;
+            # anything else is copied view by view.
+            event = self.copier.copy(room if one_span else pool.weights(revision), weights)
         except BaseException:
             self.residency.unreserve(revision)
             raise
+        if one_span:
+            pool.weights(revision)  # the views (hundreds), made while the copy runs; kept for commit
         self._loads[revision] = _Load(weights, event, weights.nbytes, started)
 
     def finished(self) -> list[str]:

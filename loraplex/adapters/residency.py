@@ -110,9 +110,10 @@ class AdapterResidency:
         return self._install(revision, on_device)
 
     def reserve(self, revision: str, weights: AdapterWeights) -> AdapterWeights:
-        """Room in the pool for `revision` without copying: returns the views an asynchronous copy
-        must fill (adapters/h2d_copy.py). The revision is not resident (no step can read it) until
-        `commit`; `unreserve` gives the room back."""
+        """Room in the pool for `revision` without copying: returns the room as a span (weights
+        with `packed` and no pairs; `pool.weights(revision)` makes its views), which an
+        asynchronous copy fills (adapters/h2d_copy.py). The revision is not resident (no step can
+        read it) until `commit`; `unreserve` gives the room back."""
         assert self.pool is not None, "asynchronous loads need the device pool"
         if revision in self._slot_of or revision in self.pool:
             raise ValueError(f"revision {revision[:12]} is already resident or reserved")

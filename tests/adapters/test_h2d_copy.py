@@ -39,6 +39,9 @@ class ManualCopier:
         self.events: list[ManualEvent] = []
 
     def copy(self, dst: AdapterWeights, src: AdapterWeights) -> ManualEvent:
+        # poison the room until the copy "completes": a step reading it early would see NaN
+        if dst.packed is not None:
+            dst.packed.fill_(float("nan"))
         for p in dst.pairs.values():
             p.a.fill_(float("nan"))
             p.b.fill_(float("nan"))
@@ -71,14 +74,17 @@ def test_host_copies_are_packed_like_the_pool_so_a_load_is_one_copy() -> None:
     res = _residency(1 << 20)
     host = HostCache(1 << 20, DTYPE).host_copy(_weights(1))
     assert res.pool is not None
-    dst = res.reserve("r", host)
+    room = res.reserve("r", host)  # the extent as one span; the views come from the pool
+    dst = res.pool.weights("r")
+    assert not room.pairs and room.packed is not None and dst.packed is not None
+    assert room.packed.data_ptr() == dst.packed.data_ptr() and room.packed.numel() == dst.packed.numel()
     spans = packed_spans(dst, host)
     assert spans is not None and spans[0].numel() * 4 == res.pool.allocated_of("r")
     # both carry their extent's span: the copy is that one span, and it covers every tensor
-    assert dst.packed is not None and host.packed is not None
-    assert dst.packed.numel() * 4 == res.pool.allocated_of("r") == host.packed.numel() * 4
-    dst.packed.fill_(float("nan"))
-    copy_weights(dst, host, non_blocking=False)
+    assert host.packed is not None
+    assert room.packed.numel() * 4 == res.pool.allocated_of("r") == host.packed.numel() * 4
+    room.packed.fill_(float("nan"))
+    copy_weights(room, host, non_blocking=False)
     assert _equal(dst, host)
     # the span fast path gives the bytes the per-tensor check would have copied
     assert torch.equal(spans[0], spans[1])
