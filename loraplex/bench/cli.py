@@ -101,6 +101,25 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per WorkloadSpec field (default None: the spec's own default)."""
+    for name, kind, text in (
+        ("seed", int, "workload seed"),
+        ("num_requests", int, "requests"),
+        ("num_adapters", int, "distinct adapters"),
+        ("popularity", str, "identical | distinct | uniform | zipf:A | skewed"),
+        ("base_share", float, "share of base-only requests"),
+        ("ranks", str, "16 | 8,16,32 | 8:0.5,16:0.5"),
+        ("prompt_len", str, "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX"),
+        ("output_len", str, "as --prompt-len"),
+        ("arrivals", str, "closed:C | poisson:RATE | gamma:RATE:CV | burst:RATE:FACTOR:EVERY:LEN"),
+        ("tenants", str, "NAME:WEIGHT,..."),
+        ("conversations", str, "JSONL file of real prompts"),
+        ("deadlines", str, "TTFT deadline: MS | TENANT:MS,..."),
+    ):
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks (writes JSON + markdown + PNG)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -159,20 +178,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="then Poisson arrivals at this fraction of the closed-loop run's request rate, same engine",
     )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
-    for name, kind, text in (
-        ("seed", int, "workload seed"),
-        ("num_requests", int, "requests"),
-        ("num_adapters", int, "distinct adapters"),
-        ("popularity", str, "identical | distinct | uniform | zipf:A | skewed"),
-        ("base_share", float, "share of base-only requests"),
-        ("ranks", str, "16 | 8,16,32 | 8:0.5,16:0.5"),
-        ("prompt_len", str, "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX"),
-        ("output_len", str, "as --prompt-len"),
-        ("arrivals", str, "closed:C | poisson:RATE | gamma:RATE:CV"),
-        ("tenants", str, "NAME:WEIGHT,..."),
-        ("conversations", str, "JSONL file of real prompts"),
-    ):
-        s.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+    add_workload_flags(s)
     s.add_argument("--out", type=Path, default=Path("bench-results/serve"), help="output directory")
     s.set_defaults(run=_serve)
     from loraplex.bench.registration import add_parser as add_registration  # loads no torch

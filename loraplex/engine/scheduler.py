@@ -136,10 +136,15 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         if waiting and all_decode and running and self._hold_admissions(budget):
             return StepPlan(tuple(chunks), tuple(preempted))
+        # Passing over sequences whose adapter is not resident is bounded, so a long backlog of
+        # them does not make every step O(waiting); those behind wait for the loads ahead.
+        pass_over = 4 * max_seqs
         while not preempted and i < len(waiting) and budget > 0 and len(self.running) < max_seqs:
             seq = waiting[i]
             if ready is not None and not ready(seq):
                 i += 1
+                if i >= pass_over:
+                    break
                 continue
             n = min(seq.num_uncomputed, budget)
             need = self.blocks_for(seq.num_computed + n) - len(seq.block_ids)
