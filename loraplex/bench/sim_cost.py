@@ -117,3 +117,18 @@ PRIOR = StepCost(
     disk_load_s=45e-3,
     source="priors (sim_cost.PRIOR)",
 )
+
+# The fit to docs/results/serve-h200-2026-12-01.json (both runs; Llama-3-8B-shaped bf16, 64
+# sequences, 2048-token steps, 32 r=16 adapters) by `loraplex bench simulate --fit` (sim_fit.fit),
+# rounded; the simulator's default. docs/bench.md has predicted against measured.
+H200 = replace(
+    PRIOR,
+    graph_step_s=5.73e-3,
+    eager_step_s=16.99e-3,
+    prefill_token_s=17.09e-6,
+    decode_row_s=50.87e-6,
+    lora_row_s=7.44e-6,
+    segment_s=0.0719e-3,
+    gap_s=1.37e-3,
+    source="fitted to docs/results/serve-h200-2026-12-01.json (adapters, base_only)",
+)
