@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from loraplex.bench.workloads import add_workload_flags
+
 DEFAULT_KERNELS_OUT = Path("bench-results/kernels")
 DEFAULT_ENGINE_OUT = Path("bench-results/engine")
 
@@ -101,25 +103,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_workload_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per WorkloadSpec field (default None: the spec's own default)."""
-    for name, kind, text in (
-        ("seed", int, "workload seed"),
-        ("num_requests", int, "requests"),
-        ("num_adapters", int, "distinct adapters"),
-        ("popularity", str, "identical | distinct | uniform | zipf:A | skewed"),
-        ("base_share", float, "share of base-only requests"),
-        ("ranks", str, "16 | 8,16,32 | 8:0.5,16:0.5"),
-        ("prompt_len", str, "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX"),
-        ("output_len", str, "as --prompt-len"),
-        ("arrivals", str, "closed:C | poisson:RATE | gamma:RATE:CV | burst:RATE:FACTOR:EVERY:LEN"),
-        ("tenants", str, "NAME:WEIGHT,..."),
-        ("conversations", str, "JSONL file of real prompts"),
-        ("deadlines", str, "TTFT deadline: MS | TENANT:MS,..."),
-    ):
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks (writes JSON + markdown + PNG)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -187,6 +170,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from loraplex.bench.capacity_cli import add_parser as add_capacity  # loads no torch
 
     add_capacity(sub)
+    from loraplex.bench.sim_cli import add_parser as add_simulate  # loads no torch
+
+    add_simulate(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,11 @@
 """Adapter residency in the simulator: a fixed number of device slots, a host cache, disk behind it.
 
 Deliberately simpler than the engine's tiers (adapters/tiers.py): least recently used eviction
-at both levels, and one loader that copies one adapter at a time, so loads queue. A slot is taken
-when its load starts; an adapter is `ready` (the scheduler's gate) once its load has finished. An
-adapter that running sequences use is never evicted. Everything is on the simulator's virtual
-clock; nothing here sleeps.
+at both levels (the host cache counts the device-resident adapters too: their host copies stay),
+and one loader that copies one adapter at a time, so loads queue. A slot is taken when its load
+starts; an adapter is `ready` (the scheduler's gate) once its load has finished. An adapter that
+running sequences use is never evicted. Everything is on the simulator's virtual clock; nothing
+here sleeps.
 """
 
 from __future__ import annotations

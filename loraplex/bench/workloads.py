@@ -13,6 +13,7 @@ their ranks, tenants, arrivals, prompt and output lengths, deterministic from a 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -385,3 +386,22 @@ def generate(spec: WorkloadSpec) -> Workload:
     if arrivals.rate is not None:
         requests.sort(key=lambda r: (r.arrival_s, r.index))
     return Workload(spec, adapter_ranks, requests)
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per WorkloadSpec field (default None: the spec's own default)."""
+    for name, kind, text in (
+        ("seed", int, "workload seed"),
+        ("num_requests", int, "requests"),
+        ("num_adapters", int, "distinct adapters"),
+        ("popularity", str, "identical | distinct | uniform | zipf:A | skewed"),
+        ("base_share", float, "share of base-only requests"),
+        ("ranks", str, "16 | 8,16,32 | 8:0.5,16:0.5"),
+        ("prompt_len", str, "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX"),
+        ("output_len", str, "as --prompt-len"),
+        ("arrivals", str, "closed:C | poisson:RATE | gamma:RATE:CV | burst:RATE:FACTOR:EVERY:LEN"),
+        ("tenants", str, "NAME:WEIGHT,..."),
+        ("conversations", str, "JSONL file of real prompts"),
+        ("deadlines", str, "TTFT deadline: MS | TENANT:MS,..."),
+    ):
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
