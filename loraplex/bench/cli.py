@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from loraplex.bench.workloads import add_workload_flags
+
 DEFAULT_KERNELS_OUT = Path("bench-results/kernels")
 DEFAULT_ENGINE_OUT = Path("bench-results/engine")
 
@@ -159,20 +161,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="then Poisson arrivals at this fraction of the closed-loop run's request rate, same engine",
     )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
-    for name, kind, text in (
-        ("seed", int, "workload seed"),
-        ("num_requests", int, "requests"),
-        ("num_adapters", int, "distinct adapters"),
-        ("popularity", str, "identical | distinct | uniform | zipf:A | skewed"),
-        ("base_share", float, "share of base-only requests"),
-        ("ranks", str, "16 | 8,16,32 | 8:0.5,16:0.5"),
-        ("prompt_len", str, "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX"),
-        ("output_len", str, "as --prompt-len"),
-        ("arrivals", str, "closed:C | poisson:RATE | gamma:RATE:CV"),
-        ("tenants", str, "NAME:WEIGHT,..."),
-        ("conversations", str, "JSONL file of real prompts"),
-    ):
-        s.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+    add_workload_flags(s)
     s.add_argument("--out", type=Path, default=Path("bench-results/serve"), help="output directory")
     s.set_defaults(run=_serve)
     from loraplex.bench.registration import add_parser as add_registration  # loads no torch
@@ -181,6 +170,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from loraplex.bench.capacity_cli import add_parser as add_capacity  # loads no torch
 
     add_capacity(sub)
+    from loraplex.bench.sim_cli import add_parser as add_simulate  # loads no torch
+
+    add_simulate(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

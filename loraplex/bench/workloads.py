@@ -13,6 +13,7 @@ their ranks, tenants, arrivals, prompt and output lengths, deterministic from a 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -87,9 +88,13 @@ def row_slots(
 #             "lognormal:MEDIAN:SIGMA:MAX"
 #   ranks     "16" | "8,16,32,64" (uniform over the list) | "8:0.5,16:0.3,64:0.2" (weighted)
 #   arrivals  "closed:C" (C requests in flight; a finished one is replaced at once) |
-#             "poisson:RATE" (requests/s) | "gamma:RATE:CV" (burstier for CV > 1)
+#             "poisson:RATE" (requests/s) | "gamma:RATE:CV" (burstier for CV > 1) |
+#             "burst:RATE:FACTOR:EVERY:LEN" (Poisson at RATE, at FACTOR x RATE during the first LEN
+#             seconds of every EVERY seconds)
 #   tenants   "" (one tenant) | "a:3,b:1" (names with rate weights; each tenant's requests arrive
 #             as its own process at its share of the rate, or take its share of the concurrency)
+#   deadlines "" (none) | "MS" (every request) | "a:MS,b:MS" (per tenant; others none): the time to
+#             first token a request asks for, in milliseconds after its arrival
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ class WorkloadSpec:
     arrivals: str = "closed:64"
     tenants: str = ""
     conversations: str | None = None  # a JSONL file of real prompts (see `load_conversations`)
+    deadlines: str = ""
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.num_adapters < 0:
@@ -118,7 +124,7 @@ class WorkloadSpec:
         LengthDist.parse(self.output_len)
         parse_ranks(self.ranks)
         Arrivals.parse(self.arrivals)
-        parse_tenants(self.tenants)
+        parse_deadlines(self.deadlines, parse_tenants(self.tenants))
         if self.num_adapters:
             adapter_choices(1, self.num_adapters, self.popularity)
 
@@ -132,6 +138,7 @@ class WorkloadRequest:
     output_len: int
     arrival_s: float | None  # seconds after the start; None in a closed loop
     prompt: str | None = None  # a real conversation's prompt text, when the spec names a file
+    deadline_s: float | None = None  # TTFT the request asks for (seconds after arrival), if any
 
 
 @dataclass(frozen=True)
@@ -211,10 +218,11 @@ def parse_ranks(text: str) -> tuple[list[int], list[float]]:
 
 @dataclass(frozen=True)
 class Arrivals:
-    kind: str  # closed | poisson | gamma
+    kind: str  # closed | poisson | gamma | burst
     concurrency: int | None = None
     rate: float | None = None
     cv: float = 1.0
+    burst: tuple[float, float, float] = (1.0, 1.0, 0.0)  # factor, every (s), length (s)
 
     @classmethod
     def parse(cls, text: str) -> Arrivals:
@@ -227,16 +235,54 @@ class Arrivals:
                 return cls("poisson", rate=float(parts[0]))
             if kind == "gamma" and len(parts) == 2 and float(parts[0]) > 0 and float(parts[1]) > 0:
                 return cls("gamma", rate=float(parts[0]), cv=float(parts[1]))
+            if kind == "burst" and len(parts) == 4:
+                rate, factor, every, length = (float(p) for p in parts)
+                if rate > 0 and factor > 0 and every > 0 and 0 <= length <= every:
+                    return cls("burst", rate=rate, burst=(factor, every, length))
         except ValueError:
             pass
-        raise ValueError(f"bad arrivals {text!r}: use closed:CONCURRENCY, poisson:RATE or gamma:RATE:CV")
+        raise ValueError(
+            f"bad arrivals {text!r}: use closed:CONCURRENCY, poisson:RATE, gamma:RATE:CV "
+            "or burst:RATE:FACTOR:EVERY:LEN"
+        )
 
     def gaps(self, rng: random.Random, rate: float, n: int) -> list[float]:
         """n inter-arrival gaps of a process at `rate` requests/s."""
         if self.kind == "poisson":
             return [rng.expovariate(rate) for _ in range(n)]
+        if self.kind == "burst":
+            return self._burst_gaps(rng, rate, n)
         shape = 1.0 / (self.cv * self.cv)  # gamma with mean 1/rate and this coefficient of variation
         return [rng.gammavariate(shape, 1.0 / (shape * rate)) for _ in range(n)]
+
+    def _burst_gaps(self, rng: random.Random, rate: float, n: int) -> list[float]:
+        # A Poisson process whose rate steps between `rate` and `factor x rate`: each gap is drawn
+        # at the rate in force where it starts (exact enough when a burst spans many arrivals).
+        factor, every, length = self.burst
+        t, out = 0.0, []
+        for _ in range(n):
+            gap = rng.expovariate(rate * factor if t % every < length else rate)
+            out.append(gap)
+            t += gap
+        return out
+
+
+def parse_deadlines(text: str, tenants: list[tuple[str, float]]) -> dict[str, float]:
+    """Tenant -> TTFT deadline in seconds (`deadlines` of a WorkloadSpec); absent: none."""
+    if not text:
+        return {}
+    names = [n for n, _ in tenants]
+    pairs = [("", text)] if ":" not in text else [tuple(i.split(":", 1)) for i in text.split(",")]
+    out: dict[str, float] = {}
+    for name, ms in pairs:
+        try:
+            value = float(ms) / 1000
+        except ValueError:
+            value = -1.0
+        if value <= 0 or (name and name not in names):
+            raise ValueError(f"bad deadlines {text!r}: use MS or TENANT:MS,... with known tenants")
+        out.update({n: value for n in ([name] if name else names)})
+    return out
 
 
 def parse_tenants(text: str) -> list[tuple[str, float]]:
@@ -301,6 +347,7 @@ def generate(spec: WorkloadSpec) -> Workload:
     conversations = load_conversations(spec.conversations) if spec.conversations else None
     tenants = parse_tenants(spec.tenants)
     tenant_of = rng.choices([t for t, _ in tenants], weights=[w for _, w in tenants], k=n)
+    deadline_of = parse_deadlines(spec.deadlines, tenants)
     arrivals = Arrivals.parse(spec.arrivals)
     arrival_s: list[float | None] = [None] * n
     if arrivals.rate is not None:
@@ -325,8 +372,36 @@ def generate(spec: WorkloadSpec) -> Workload:
             prompt_len, output_len = prompt_dist.draw(rng), output_dist.draw(rng)
         adapter = None if is_base[i] else picks[i]
         requests.append(
-            WorkloadRequest(i, tenant_of[i], adapter, prompt_len, output_len, arrival_s[i], prompt)
+            WorkloadRequest(
+                i,
+                tenant_of[i],
+                adapter,
+                prompt_len,
+                output_len,
+                arrival_s[i],
+                prompt,
+                deadline_of.get(tenant_of[i]),
+            )
         )
     if arrivals.rate is not None:
         requests.sort(key=lambda r: (r.arrival_s, r.index))
     return Workload(spec, adapter_ranks, requests)
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per WorkloadSpec field (default None: the spec's own default)."""
+    for name, kind, text in (
+        ("seed", int, "workload seed"),
+        ("num_requests", int, "requests"),
+        ("num_adapters", int, "distinct adapters"),
+        ("popularity", str, "identical | distinct | uniform | zipf:A | skewed"),
+        ("base_share", float, "share of base-only requests"),
+        ("ranks", str, "16 | 8,16,32 | 8:0.5,16:0.5"),
+        ("prompt_len", str, "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX"),
+        ("output_len", str, "as --prompt-len"),
+        ("arrivals", str, "closed:C | poisson:RATE | gamma:RATE:CV | burst:RATE:FACTOR:EVERY:LEN"),
+        ("tenants", str, "NAME:WEIGHT,..."),
+        ("conversations", str, "JSONL file of real prompts"),
+        ("deadlines", str, "TTFT deadline: MS | TENANT:MS,..."),
+    ):
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)

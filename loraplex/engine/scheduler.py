@@ -58,8 +58,11 @@ class Scheduler:
         block_size: int,
         ready: Callable[[Sequence], bool] | None = None,
         admission_batch_tokens: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        # Seconds from any monotonic origin; the simulator (bench/simulate.py) passes a virtual one.
+        self.clock = clock
         # resolved by the engine when the config leaves it to the device (None)
         self.admission_batch_tokens = admission_batch_tokens
         self._admission_max_wait = config.admission_max_wait_ms / 1000
@@ -76,7 +79,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        seq.waiting_since = time.monotonic()
+        seq.waiting_since = self.clock()
         self._insert_waiting(seq)
 
     def has_work(self) -> bool:
@@ -133,10 +136,15 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         if waiting and all_decode and running and self._hold_admissions(budget):
             return StepPlan(tuple(chunks), tuple(preempted))
+        # Passing over sequences whose adapter is not resident is bounded, so a long backlog of
+        # them does not make every step O(waiting); those behind wait for the loads ahead.
+        pass_over = 4 * max_seqs
         while not preempted and i < len(waiting) and budget > 0 and len(self.running) < max_seqs:
             seq = waiting[i]
             if ready is not None and not ready(seq):
                 i += 1
+                if i >= pass_over:
+                    break
                 continue
             n = min(seq.num_uncomputed, budget)
             need = self.blocks_for(seq.num_computed + n) - len(seq.block_ids)
@@ -159,7 +167,7 @@ class Scheduler:
         if want <= 0 or len(self.running) >= self.config.max_num_seqs:
             return False
         waiting = self.waiting
-        if time.monotonic() - min(s.waiting_since for s in waiting[:4]) >= self._admission_max_wait:
+        if self.clock() - min(s.waiting_since for s in waiting[:4]) >= self._admission_max_wait:
             return False  # (preempted sequences keep their arrival order, so look past the first)
         tokens = 0
         for seq in waiting:
@@ -170,9 +178,11 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
-        if seq in self.running:
+        if seq in self.running:  # at most max_num_seqs long
             self.running.remove(seq)
-        if seq in self.waiting:
+        # Only a waiting sequence can be in the waiting queue: a finishing (running) one skips
+        # the scan, which would otherwise cost O(waiting) per finish under a long backlog.
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
@@ -184,7 +194,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        seq.waiting_since = time.monotonic()
+        seq.waiting_since = self.clock()
         self._insert_waiting(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:

@@ -36,7 +36,7 @@ class Sequence:
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
-    waiting_since: float = 0.0  # time.monotonic() when it last entered the waiting queue
+    waiting_since: float = 0.0  # the scheduler's clock (monotonic) when it last entered the waiting queue
     # Residency measurements (`engine/adapter_admission.py`): the tier its adapter was in at
     # admission (None: no adapter), when it was admitted, and since when it waits for a load.
     admission_tier: str | None = None

@@ -125,3 +125,27 @@ def test_conversations_file_and_bad_specs(tmp_path) -> None:  # noqa: ANN001
         with pytest.raises(ValueError):
             WorkloadSpec(**bad)
     assert WorkloadSpec(num_adapters=0, base_share=1.0).num_adapters == 0
+
+
+def test_deadlines_per_tenant_and_burst_arrivals() -> None:
+    from dataclasses import replace
+
+    from loraplex.bench.workloads import WorkloadSpec, generate
+
+    spec = WorkloadSpec(
+        num_requests=3000, arrivals="burst:10:4:10:2", tenants="a:1,b:1", deadlines="b:250", base_share=0.5
+    )
+    w = generate(spec)
+    assert {r.deadline_s for r in w.requests if r.tenant == "b"} == {0.25}
+    assert {r.deadline_s for r in w.requests if r.tenant == "a"} == {None}
+    assert {r.deadline_s for r in generate(replace(spec, deadlines="100")).requests} == {0.1}
+    # per tenant at 5/s, 20/s for the first 2 s of every 10: ~ 4 x the arrivals per second in bursts
+    times = [r.arrival_s or 0.0 for r in w.requests if r.tenant == "a"]
+    in_burst = sum(1 for t in times if t % 10 < 2) / 2
+    outside = sum(1 for t in times if t % 10 >= 2) / 8
+    assert 2.5 < in_burst / outside < 5.5
+    for bad in ("c:100", "a:-1", "x"):
+        with pytest.raises(ValueError, match="deadlines"):
+            replace(spec, deadlines=bad)
+    with pytest.raises(ValueError, match="arrivals"):
+        replace(spec, arrivals="burst:10:4:10:20")  # a burst longer than its period

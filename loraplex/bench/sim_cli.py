@@ -1,0 +1,107 @@
+"""`loraplex bench simulate`: a workload through each scheduling policy on the simulator, one table
+and one PNG comparing them; optionally the step-cost model fitted to `bench serve` results first,
+and checked against results (held back from the fit when they are other files)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+from typing import Any
+
+from loraplex.bench.workloads import add_workload_flags
+
+# A few seconds of CPU: 3 tenants (one at twice the others' rate), 16 adapters, Zipf, bursts,
+# deadlines for one tenant, fewer device slots than adapters.
+SMOKE = {
+    "num_requests": 600,
+    "num_adapters": 16,
+    "arrivals": "burst:12:3:10:2",
+    "tenants": "a:2,b:1,c:1",
+    "deadlines": "b:2000",
+    "prompt_len": "uniform:64:512",
+    "output_len": "uniform:16:128",
+}
+DEFAULT = {"num_requests": 10000, "arrivals": "poisson:16", "tenants": "a:2,b:1,c:1"}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from loraplex.bench import sim_fit
+    from loraplex.bench.sim_cost import H200, StepCost
+    from loraplex.bench.sim_report import markdown, plot, summarize
+    from loraplex.bench.simulate import POLICIES, SimConfig, simulate
+    from loraplex.bench.workloads import WorkloadSpec, generate
+
+    try:
+        given = {
+            f.name: getattr(args, f.name) for f in fields(WorkloadSpec) if getattr(args, f.name) is not None
+        }
+        spec = WorkloadSpec(**{**(SMOKE if args.smoke else DEFAULT), **given})
+        policies = [POLICIES[name] for name in args.policies.split(",")]
+    except KeyError as err:
+        raise SystemExit(f"error: unknown policy {err}; known: {', '.join(POLICIES)}") from None
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    cost = StepCost.from_dict(json.loads(args.cost.read_text())) if args.cost else H200
+    if args.fit:
+        cost = sim_fit.fit(sim_fit.load_runs(args.fit))
+    checked = args.check if args.check is not None else args.fit
+    sim = SimConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_blocks=args.kv_blocks,
+        device_slots=args.device_slots,
+        host_slots=args.host_slots,
+    )
+    if args.smoke and args.device_slots is None:
+        sim = replace(sim, device_slots=8, host_slots=12)
+    workload = generate(spec)
+    report: dict[str, Any] = {
+        "workload": asdict(spec),
+        "engine": asdict(sim),
+        "cost": cost.to_dict(),
+        "policies": [summarize(simulate(workload, p, cost, sim), args.starvation_s) for p in policies],
+    }
+    if checked:
+        report["fit_check"] = sim_fit.check(sim_fit.load_runs(checked), cost)
+        report["fit_check_held_back"] = bool(args.fit) and set(checked).isdisjoint(args.fit)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "simulate.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    if not plot(report, args.out / "simulate.png"):
+        text += "\n(no simulate.png: matplotlib is not installed)\n"
+    (args.out / "simulate.md").write_text(text)
+    for p in report["policies"]:
+        t = p["ttft_s"]
+        print(
+            f"{p['policy']:14s} tok/s {p['output_tokens_per_s']:8.0f}  TTFT p50/p99 "
+            f"{t['p50'] * 1e3:.1f}/{t['p99'] * 1e3:.1f} ms  segments/step {p['steps']['segments_mean']:.1f}  "
+            f"starved {p['starved']}  ({p['requests']} requests simulated in {p['runtime_s']:.1f} s)"
+        )
+    print(f"wrote {args.out}/simulate.json, simulate.md, simulate.png")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="the real scheduler on a virtual clock with a fitted step-cost model (CPU; compares policies)",
+        description="Workload fields follow bench/workloads.py's syntax (default: 10,000 requests).",
+    )
+    p.add_argument("--smoke", action="store_true", help="a small bursty multi-tenant workload (seconds)")
+    p.add_argument("--policies", default="fcfs,fcfs-batched", help="comma list (fcfs, fcfs-batched)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-blocks", type=int, help="KV blocks of 16 tokens (default: no preemption)")
+    p.add_argument("--device-slots", type=int, help="adapters resident at once (default: all, preloaded)")
+    p.add_argument("--host-slots", type=int, help="adapters in host memory (default: all)")
+    p.add_argument("--starvation-s", type=float, default=10.0, help="TTFT past which a request starves")
+    p.add_argument("--cost", type=Path, help="step-cost coefficients (JSON, as in simulate.json's cost)")
+    p.add_argument("--fit", type=Path, nargs="+", help="fit the step costs to these serve.json results")
+    p.add_argument(
+        "--check", type=Path, nargs="+", help="report predicted against measured for these serve.json"
+    )
+    add_workload_flags(p)
+    p.add_argument("--out", type=Path, default=Path("bench-results/simulate"), help="output directory")
+    p.set_defaults(run=_run)

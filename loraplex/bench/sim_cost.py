@@ -1,0 +1,134 @@
+"""The simulator's step-cost model: what one engine step costs on the device, from the shape the
+real scheduler planned (bench/simulate.py), and what an adapter load costs by the tier it comes
+from.
+
+    step = fixed(graph-replayed decode step | eager step)
+         + prefill_token_s x prefill rows + decode_row_s x decode rows
+         + lora_row_s x rows on an adapter + segment_s x distinct adapters in the step
+    then gap_s of host time before the next step (the serving loop, deltas, arrivals)
+
+Why these terms: a pure decode step replays a CUDA graph (cheap to launch) while a step carrying
+prefill runs eagerly (host-bound launches); prefill rows are compute-bound, decode rows mostly KV
+reads; the LoRA kernels do per-row work plus per-segment work (one adapter's weights read per
+segment). The fixed and per-row coefficients come from `bench serve` results (bench/sim_fit.py);
+the load costs from the load-latency measurement (docs/results/load-latency-h200-2026-12-01.md),
+since serve runs keep every adapter resident and so measure no load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the scheduler planned for one step, in the terms the cost model prices."""
+
+    prefill_rows: int  # rows of chunks that are not single decode rows (prompt or recomputation)
+    decode_rows: int
+    lora_rows: int  # rows of sequences on an adapter
+    segments: int  # distinct adapters in the step (base rows are no segment)
+    sequences: int
+    graph: bool  # a pure decode step small enough to replay a CUDA graph
+
+    @property
+    def rows(self) -> int:
+        return self.prefill_rows + self.decode_rows
+
+    @property
+    def kind(self) -> str:
+        """As `bench serve` names steps (serve_metrics.StepRecord.kind)."""
+        if self.prefill_rows == 0:
+            return "decode"
+        return "prefill" if self.decode_rows == 0 else "mixed"
+
+
+# The coefficients a fit sets, in the order of the fit's unknowns (gap_s is measured directly).
+FITTED: tuple[str, ...] = (
+    "graph_step_s",
+    "eager_step_s",
+    "prefill_token_s",
+    "decode_row_s",
+    "lora_row_s",
+    "segment_s",
+)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    graph_step_s: float  # fixed part of a graph-replayed decode step
+    eager_step_s: float  # fixed part of an eager (prefill or mixed) step
+    prefill_token_s: float
+    decode_row_s: float
+    lora_row_s: float
+    segment_s: float
+    gap_s: float  # host time between two steps
+    host_load_s: float  # one adapter, host memory -> device slot
+    disk_load_s: float  # one adapter, disk -> device slot (through host memory)
+    source: str = ""  # where the numbers come from
+
+    def seconds(self, s: StepShape) -> float:
+        return (
+            (self.graph_step_s if s.graph else self.eager_step_s)
+            + self.prefill_token_s * s.prefill_rows
+            + self.decode_row_s * s.decode_rows
+            + self.lora_row_s * s.lora_rows
+            + self.segment_s * s.segments
+        )
+
+    def features(self, s: StepShape) -> list[float]:
+        """The step's row of the fit's linear system: seconds = features . FITTED coefficients."""
+        return [
+            float(s.graph),
+            float(not s.graph),
+            float(s.prefill_rows),
+            float(s.decode_rows),
+            float(s.lora_rows),
+            float(s.segments),
+        ]
+
+    def with_fitted(self, values: list[float], source: str) -> StepCost:
+        return replace(self, **dict(zip(FITTED, values, strict=True)), source=source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> StepCost:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+# Priors of the fit (where the serve results leave a direction unmeasured, the fit stays near
+# them) and the load costs. Sources: engine-h200.json (decode step at batch 64: 8.65 ms base,
+# 10.15 ms with 32 adapters), docs/bench.md (an eager step is host-bound: tens of ms of wall for
+# a third of it in kernels), load-latency-h200-2026-12-01.md (r=16, host -> device 4.9 ms). The
+# disk load is an assumption (safetensors read at ~2 GB/s plus the host copy), not a measurement.
+PRIOR = StepCost(
+    graph_step_s=6e-3,
+    eager_step_s=15e-3,
+    prefill_token_s=12e-6,
+    decode_row_s=50e-6,
+    lora_row_s=5e-6,
+    segment_s=0.1e-3,
+    gap_s=1.5e-3,
+    host_load_s=4.9e-3,
+    disk_load_s=45e-3,
+    source="priors (sim_cost.PRIOR)",
+)
+
+# The fit to docs/results/serve-h200-2026-12-01.json (both runs; Llama-3-8B-shaped bf16, 64
+# sequences, 2048-token steps, 32 r=16 adapters) by `loraplex bench simulate --fit` (sim_fit.fit),
+# rounded; the simulator's default. docs/bench.md has predicted against measured.
+H200 = replace(
+    PRIOR,
+    graph_step_s=5.73e-3,
+    eager_step_s=16.99e-3,
+    prefill_token_s=17.09e-6,
+    decode_row_s=50.87e-6,
+    lora_row_s=7.44e-6,
+    segment_s=0.0719e-3,
+    gap_s=1.37e-3,
+    source="fitted to docs/results/serve-h200-2026-12-01.json (adapters, base_only)",
+)

@@ -1,0 +1,292 @@
+"""`loraplex bench simulate`'s core: the real scheduler (engine/scheduler.py, real `Sequence`s, a
+real `BlockPool`) driven on a virtual clock, each step priced by the step-cost model
+(bench/sim_cost.py), adapters kept resident by a slot model (bench/sim_residency.py) behind the
+scheduler's `ready` gate. The workload is bench/workloads.py's, as `bench serve` replays it.
+
+One loop iteration is one engine step, as engine.step() does it: arrivals due by now are added;
+finished loads become ready and loads start for waiting sequences; the scheduler plans; the clock
+advances by the step's cost; every chunk's rows count as computed, a chunk that completes its
+sequence's known tokens samples a token (a dummy id), and a sequence with all its output tokens
+finishes. Then the clock advances by the host gap between steps.
+
+A policy is a parameter (`Policy`): today the FCFS scheduler with admission batching on or off;
+an adapter-aware policy plugs in as one more `Policy` whose `build` returns its scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loraplex.bench.sim_cost import StepCost, StepShape
+from loraplex.bench.sim_residency import SimResidency
+from loraplex.bench.workloads import Arrivals, Workload, WorkloadRequest
+from loraplex.config import SchedulerConfig
+from loraplex.engine.scheduler import Scheduler, StepPlan
+from loraplex.engine.sequence import Sequence
+from loraplex.kv.block_pool import BlockPool
+from loraplex.types import AdapterRef, SamplingParams
+
+
+class SimScheduler(Protocol):
+    """What the simulator needs of a scheduler (engine/scheduler.Scheduler's interface)."""
+
+    waiting: list[Sequence]
+    running: list[Sequence]
+
+    def add(self, seq: Sequence) -> None: ...
+    def schedule(self) -> StepPlan: ...
+    def finish(self, seq: Sequence) -> None: ...
+    def has_work(self) -> bool: ...
+
+
+# (config, pool, block size, the adapter gate, the clock) -> a scheduler
+SchedulerBuild = Callable[
+    [SchedulerConfig, BlockPool, int, Callable[[Sequence], bool], Callable[[], float]], SimScheduler
+]
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    admission_batch_tokens: int | None = None  # None: half the step budget (the engine's CUDA default)
+    admission_max_wait_ms: int = 50
+    build: SchedulerBuild | None = None  # None: the FCFS Scheduler with the knobs above
+
+    def scheduler(
+        self,
+        sim: SimConfig,
+        pool: BlockPool,
+        ready: Callable[[Sequence], bool],
+        clock: Callable[[], float],
+    ) -> SimScheduler:
+        config = SchedulerConfig(
+            max_num_seqs=sim.max_num_seqs,
+            max_num_batched_tokens=sim.max_num_batched_tokens,
+            admission_batch_tokens=self.admission_batch_tokens,
+            admission_max_wait_ms=self.admission_max_wait_ms,
+        )
+        if self.build is not None:
+            return self.build(config, pool, sim.block_size, ready, clock)
+        batch = self.admission_batch_tokens
+        batch = sim.max_num_batched_tokens // 2 if batch is None else batch
+        return Scheduler(config, pool, sim.block_size, ready, batch, clock=clock)
+
+
+# The policies that exist today, by name (`--policies`).
+POLICIES: dict[str, Policy] = {
+    "fcfs": Policy("fcfs", admission_batch_tokens=0),
+    "fcfs-batched": Policy("fcfs-batched"),
+}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_blocks: int | None = None  # None: every running sequence fits at its longest (no preemption)
+    graph_max_batch: int = 256  # pure decode steps of up to this many sequences replay a graph
+    device_slots: int | None = None  # None: every adapter resident from the start
+    host_slots: int | None = None  # None: every adapter in host memory from the start
+
+
+@dataclass
+class SimRequest:
+    index: int
+    tenant: str
+    popularity: str  # base | hot | cold (Workload.popularity_class)
+    adapter: int | None
+    tier: str  # where its adapter was when it arrived: base | device | host | disk
+    arrival_s: float
+    deadline_s: float | None
+    prompt_len: int
+    output_len: int
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def ttft(self) -> float:
+        assert self.first_token_s is not None
+        return self.first_token_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class SimStep:
+    start_s: float
+    seconds: float
+    shape: StepShape
+
+
+@dataclass
+class SimRun:
+    policy: str
+    requests: list[SimRequest]
+    steps: list[SimStep]
+    wall_s: float  # virtual seconds from the first arrival to the last token
+    runtime_s: float  # real seconds the simulation took
+    served_rows: dict[str, int] = field(default_factory=dict)  # tenant -> rows computed for it
+    loads: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0
+
+
+@dataclass
+class _Live:
+    req: SimRequest
+    adapter: int  # -1: base model
+
+
+def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig | None = None) -> SimRun:
+    """Run `workload` through `policy`'s scheduler on a virtual clock; deterministic."""
+    sim = sim or SimConfig()
+    started = time.perf_counter()
+    reqs = workload.requests
+    n_adapters = workload.spec.num_adapters
+    longest = max(r.prompt_len + r.output_len for r in reqs)
+    blocks = sim.kv_blocks or sim.max_num_seqs * -(-longest // sim.block_size)
+    pool = BlockPool(blocks)
+    slots = n_adapters if sim.device_slots is None else sim.device_slots
+    residency = SimResidency(
+        max(1, slots),
+        n_adapters if sim.host_slots is None else sim.host_slots,
+        cost.host_load_s,
+        cost.disk_load_s,
+        preload=range(n_adapters) if sim.device_slots is None else (),
+    )
+    all_resident = slots >= n_adapters and sim.device_slots is None
+    refs = [AdapterRef(f"adapter-{k}", f"sim-{k}") for k in range(n_adapters)]
+    live: dict[Sequence, _Live] = {}
+    now = 0.0
+
+    def ready(seq: Sequence) -> bool:
+        a = live[seq].adapter
+        return a < 0 or residency.ready(a)
+
+    sched = policy.scheduler(sim, pool, ready, lambda: now)
+    concurrency = Arrivals.parse(workload.spec.arrivals).concurrency
+    pending: deque[WorkloadRequest] = deque(reqs)
+    results: list[SimRequest] = []
+    steps: list[SimStep] = []
+    served: dict[str, int] = {}
+    preemptions = 0
+    order = 0
+
+    def add(r: WorkloadRequest, arrival: float) -> None:
+        nonlocal order
+        a = -1 if r.adapter is None else r.adapter
+        tier = "base" if a < 0 else residency.tier(a)
+        req = SimRequest(
+            r.index, r.tenant, workload.popularity_class(r.adapter), r.adapter, tier, arrival,
+            r.deadline_s, r.prompt_len, r.output_len,
+        )  # fmt: skip
+        results.append(req)
+        seq = Sequence(
+            f"w{r.index}", [0] * r.prompt_len, SamplingParams(max_tokens=r.output_len, temperature=0.0),
+            None if a < 0 else refs[a], order,
+        )  # fmt: skip
+        order += 1
+        live[seq] = _Live(req, a)
+        sched.add(seq)
+
+    while pending or live:
+        if concurrency is not None:
+            while pending and len(live) < concurrency:
+                add(pending.popleft(), now)
+        else:
+            while pending and (pending[0].arrival_s or 0.0) <= now:
+                r = pending.popleft()
+                add(r, r.arrival_s or 0.0)
+        if not all_resident:
+            residency.advance(now)
+            _start_loads(sched, live, residency, now, sim.max_num_seqs)
+        plan = sched.schedule()
+        preemptions += len(plan.preempted)
+        if not plan.chunks:
+            now = _idle_until(now, pending, concurrency, residency)
+            continue
+        shape, adapters = _shape(plan, live, sim.graph_max_batch)
+        seconds = cost.seconds(shape)
+        steps.append(SimStep(now, seconds, shape))
+        now += seconds
+        if not all_resident:
+            residency.touch(adapters)
+        for chunk in plan.chunks:
+            seq, n = chunk.seq, chunk.num_tokens
+            completes = seq.num_computed + n == seq.num_tokens
+            seq.num_computed += n
+            lv = live[seq]
+            tenant = lv.req.tenant
+            served[tenant] = served.get(tenant, 0) + n
+            if not completes:
+                continue
+            seq.output_token_ids.append(0)
+            if lv.req.first_token_s is None:
+                lv.req.first_token_s = now
+            if len(seq.output_token_ids) >= lv.req.output_len:
+                lv.req.finish_s = now
+                sched.finish(seq)
+                del live[seq]
+        now += cost.gap_s
+    results.sort(key=lambda q: q.index)
+    return SimRun(
+        policy.name,
+        results,
+        steps,
+        now,
+        time.perf_counter() - started,
+        dict(sorted(served.items())),
+        dict(residency.loads),
+        preemptions,
+    )
+
+
+def _shape(plan: StepPlan, live: dict[Sequence, _Live], graph_max_batch: int) -> tuple[StepShape, set[int]]:
+    prefill = decode = lora = 0
+    adapters: set[int] = set()
+    for c in plan.chunks:
+        n = c.num_tokens
+        if c.is_decode:
+            decode += n
+        else:
+            prefill += n
+        a = live[c.seq].adapter
+        if a >= 0:
+            lora += n
+            adapters.add(a)
+    seqs = len(plan.chunks)
+    graph = prefill == 0 and seqs <= graph_max_batch
+    return StepShape(prefill, decode, lora, len(adapters), seqs, graph), adapters
+
+
+def _start_loads(
+    sched: SimScheduler, live: dict[Sequence, _Live], residency: SimResidency, now: float, window: int
+) -> None:
+    """Load the adapters the first `window` waiting sequences need (a bounded look, so a long
+    backlog costs no more per step than a short one). Adapters that running sequences or these
+    waiting ones use are never evicted for it (as in adapters/eviction.py), else loads would
+    evict each other's adapters before any step used them."""
+    head = sched.waiting[:window]
+    missing = [a for s in head if (a := live[s].adapter) >= 0 and not residency.ready(a)]
+    if not missing:
+        return
+    in_use = {live[s].adapter for s in sched.running}
+    in_use.update(live[s].adapter for s in head)
+    for a in missing:
+        if not residency.request(a, now, in_use):
+            return  # every slot is in use: nothing more can start before a step ends
+
+
+def _idle_until(
+    now: float, pending: deque[WorkloadRequest], concurrency: int | None, residency: SimResidency
+) -> float:
+    """Nothing to run: the clock jumps to the next arrival or the next finished load."""
+    events = [t for t in (residency.next_event(),) if t is not None]
+    if pending and concurrency is None:
+        events.append(pending[0].arrival_s or 0.0)
+    later = [t for t in events if t > now]
+    if not later:
+        raise RuntimeError("simulation stuck: work waits, and no arrival or load can unblock it")
+    return min(later)
