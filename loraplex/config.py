@@ -192,6 +192,9 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from max_num_seqs * max_model_len
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # The prefix cache (`kv/prefix_cache.py`): full KV blocks reused by later requests with the
+    # same base and adapter revisions, salt and prefix. Off: every prompt is computed in full.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

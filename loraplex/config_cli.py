@@ -34,6 +34,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else None
+            if hints[f.name] is bool:  # --name / --no-name (a string "False" would read as true)
+                parser.add_argument(
+                    _flag(section, f.name),
+                    dest=f"{section}__{f.name}",
+                    action=argparse.BooleanOptionalAction,
+                    default=default,
+                    help=f"{section} setting (default: {'on' if default else 'off'})",
+                )
+                continue
             parser.add_argument(
                 _flag(section, f.name),
                 dest=f"{section}__{f.name}",

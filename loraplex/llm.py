@@ -37,13 +37,19 @@ class LLM:
         progress: bool = False,
         adapter_device_bytes: int | None = None,
         adapter_host_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(
             model_dir=str(model),
             dtype=dtype,
             device=device,
             seed=seed,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, max_model_len=max_model_len),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_kv_blocks,
+                max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
             lora=LoRAConfig(
                 max_rank=max_lora_rank,
                 adapter_device_bytes=adapter_device_bytes,
@@ -79,12 +85,14 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         adapters: str | AdapterRef | None | Sequence[str | AdapterRef | None] = None,
+        cache_salt: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs come back in prompt order.
 
         `adapters` gives, per prompt, None (base model), a name (its latest revision) or
-        `name@revision`; a single value applies to every prompt. Every request is validated and
-        resolved before any runs, so one bad entry raises ValueError and nothing runs.
+        `name@revision`; a single value applies to every prompt. `cache_salt` (one, or one per
+        prompt): only requests with the same salt share prefix-cache blocks. Every request is
+        validated and resolved before any runs, so one bad entry raises ValueError and nothing runs.
         """
         batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -93,12 +101,13 @@ class LLM:
             batch = list(cast(Sequence[Prompt], prompts))
         params = _per_prompt(sampling_params or SamplingParams(), len(batch), SamplingParams)
         adapter_specs = _per_prompt(adapters, len(batch), (str, AdapterRef, type(None)))
+        salts = _per_prompt(cache_salt, len(batch), (str, type(None)))
         request_ids = [f"gen-{next(self._ids)}" for _ in batch]
         engine = self.engine
         added: list[str] = []
         try:
-            for rid, prompt, p, a in zip(request_ids, batch, params, adapter_specs, strict=True):
-                engine.add_request(rid, prompt, p, a)
+            for rid, prompt, p, a, salt in zip(request_ids, batch, params, adapter_specs, salts, strict=True):
+                engine.add_request(rid, prompt, p, a, salt)
                 added.append(rid)
         except Exception:
             for rid in added:

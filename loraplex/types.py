@@ -86,3 +86,4 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache

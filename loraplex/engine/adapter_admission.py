@@ -37,6 +37,8 @@ class AdapterAdmission:
         # Called when the last request on a retired revision ends (the server records the
         # retirement; it must not block).
         self.on_drained: Callable[[AdapterRef], None] | None = None
+        # Forgets the prefix cache's blocks of a revision that left service (None: no cache).
+        self.drop_cached: Callable[[str], object] | None = None
         # Live adapter requests with no token yet: while there are none, a step measures nothing.
         self.awaiting_first = 0
         self.residency = tiers.residency
@@ -85,10 +87,13 @@ class AdapterAdmission:
             self._drained(ref)
 
     def _drained(self, ref: AdapterRef) -> None:
-        """No request holds the retired `ref` any more: free its slot unless another name still
-        serves the same content, and tell the server (which records the retirement)."""
+        """No request holds the retired `ref` any more: free its slot and its cached KV blocks
+        unless another name still serves the same content, and tell the server (which records the
+        retirement)."""
         if not self.adapters.in_service(ref.revision):
             self.tiers.drop(ref.revision)
+            if self.drop_cached is not None:  # no request may compute or read them any more
+                self.drop_cached(ref.revision)
         if self.on_drained is not None:
             self.on_drained(ref)
 

@@ -39,8 +39,10 @@ from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.stats import StepStats
 from loraplex.engine.stop import StopChecker
 from loraplex.engine.warmup import warm_up
+from loraplex.kv.accounting import check_kv_accounting
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.kv_cache import PagedKVCache
+from loraplex.kv.prefix_cache import PrefixCache
 from loraplex.lora.backend import make_lora_backend
 from loraplex.lora.weights import LoRASlotTable
 from loraplex.model.llama import LlamaFamilyModel
@@ -96,6 +98,7 @@ class Engine:
             config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         )
         self.pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache(self.pool, block_size) if config.cache.enable_prefix_caching else None
         self.kv = PagedKVCache(
             mc.num_hidden_layers,
             num_blocks,
@@ -117,9 +120,12 @@ class Engine:
         self.admission = AdapterAdmission(self.adapters, self.tiers, lambda: self.base)
         # The plan's slot map from residency; its slots stay pinned until `residency.end_step()`.
         self.slot_map: Callable[[StepPlan], StepSlots] = self.admission.slot_map
+        sc, batch_tokens = config.scheduler, _admission_batch_tokens(config)
         self.scheduler = Scheduler(
-            config.scheduler, self.pool, block_size, self.admission.ready, _admission_batch_tokens(config)
+            sc, self.pool, block_size, self.admission.ready, batch_tokens, prefix=self.prefix_cache
         )
+        if self.prefix_cache is not None:
+            self.admission.drop_cached = self.prefix_cache.drop_revision
         self.runner = ModelRunner(
             self.model, self.kv, self.lora_table, self.lora_backend, self.device, self._static_decode(config)
         )
@@ -184,8 +190,10 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams,
         adapter: str | AdapterRef | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Validate, resolve the adapter to an immutable revision, and queue the request.
+        `cache_salt`: only requests with the same salt share prefix-cache blocks.
 
         Raises ValueError (nothing is queued or held) for a duplicate id, an empty or too long
         prompt, out-of-vocabulary token ids, or an unknown adapter. A prompt may fill the context
@@ -210,6 +218,10 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(request_id, token_ids, params, ref, next(self._arrivals), generator)
         self.admission.admitted(seq, tier)
+        if self.prefix_cache is not None:  # seeded by revisions, never names (kv/prefix_cache.py)
+            entry = self.adapters.resolve(ref) if ref is not None else None  # just acquired: live
+            base = self._base.revision if self._base is not None else None
+            seq.cache_seed = self.prefix_cache.seed(base, entry, cache_salt)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
         self._seqs[request_id] = seq
@@ -244,6 +256,7 @@ class Engine:
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def sequence(self, request_id: str) -> Sequence:
@@ -345,15 +358,10 @@ class Engine:
             self._num_scoring -= 1
 
     def check_integrity(self) -> None:
-        """Assert the bookkeeping invariants: the KV pool's free/used partition, each live
-        sequence's blocks covering exactly its computed tokens (plus this step's), and adapter
-        holds equal to the live requests on each revision. Cheap; tests call it between steps."""
-        self.pool.check_integrity()
+        """Assert the bookkeeping invariants: KV accounting with shared blocks (`kv/accounting.py`)
+        and adapter holds equal to the live requests on each revision. Tests call it between steps."""
         live = [s for s in self._seqs.values() if not s.is_finished]
-        owned = [b for s in live for b in s.block_ids]
-        assert len(owned) == len(set(owned)) == self.pool.num_used, "KV blocks leaked or shared"
-        for seq in live:
-            assert len(seq.block_ids) == self.scheduler.blocks_for(seq.num_computed), seq.request_id
+        check_kv_accounting(self.pool, live, self.kv.block_size, self.adapters.in_service)
         assert self._num_scoring == sum(not s.params.max_tokens for s in live), "scoring request count"
         self.admission.check_integrity(live)
 

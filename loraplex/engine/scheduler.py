@@ -9,6 +9,11 @@ running sequence needs a block and none is free, the latest-arrived running sequ
 preempted: its blocks are freed and it goes back to the waiting queue, to be recomputed from its
 prompt and generated tokens.
 
+With a prefix cache (`kv/prefix_cache.py`), a waiting sequence is admitted from the longest run of
+cached blocks that starts its tokens: those are held, not allocated, and not computed again.
+Blocks are committed to the cache (hashed) once full and computed: when the sequence's next block
+or prefill chunk is planned, at its first decode row, and before its blocks are freed.
+
 Admission batching (`admission_batch_tokens`): a step whose running sequences all decode admits
 new prompts only once enough prompt tokens wait, or the oldest has waited long enough; a step
 that carries prefill work anyway admits at once.
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from loraplex.config import SchedulerConfig
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool
+from loraplex.kv.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class ScheduledChunk:
 class StepPlan:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[str, ...]  # request ids preempted while planning this step
+    cached_tokens: int = 0  # tokens the sequences admitted this step took from the prefix cache
 
     @property
     def num_rows(self) -> int:
@@ -59,6 +66,7 @@ class Scheduler:
         ready: Callable[[Sequence], bool] | None = None,
         admission_batch_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.config = config
         # Seconds from any monotonic origin; the simulator (bench/simulate.py) passes a virtual one.
@@ -71,6 +79,7 @@ class Scheduler:
         self.ready = ready
         self.pool = pool
         self.block_size = block_size
+        self.prefix = prefix  # None: no prefix cache
         self.waiting: list[Sequence] = []  # kept sorted by arrival
         self.running: list[Sequence] = []  # kept sorted by arrival
         # Each decoding sequence's `ScheduledChunk(seq, 1, True)`, made once and planned every step
@@ -101,6 +110,7 @@ class Scheduler:
         pool = self.pool
         bs = self.block_size
         decode_chunks = self._decode_chunks
+        prefix = self.prefix
         all_decode = True
         for seq in running:
             if budget <= 0:
@@ -111,6 +121,8 @@ class Scheduler:
             n = uncomputed if uncomputed < budget else budget
             need = -(-(computed + n) // bs) - len(seq.block_ids)
             if need > 0:
+                if prefix is not None:  # its blocks so far are full: cache them
+                    prefix.commit(seq)
                 while need > pool.num_free:
                     victim = running[-1]
                     self._preempt(victim)
@@ -124,7 +136,11 @@ class Scheduler:
                 chunk = decode_chunks.get(seq)
                 if chunk is None:
                     chunk = decode_chunks[seq] = ScheduledChunk(seq, 1, True)
+                    if prefix is not None:  # its prompt is computed: cache its full blocks
+                        prefix.commit(seq)
             else:
+                if prefix is not None:  # the chunks computed so far
+                    prefix.commit(seq)
                 chunk = ScheduledChunk(seq, n, False)
                 all_decode = False
             chunks.append(chunk)
@@ -139,6 +155,7 @@ class Scheduler:
         # Passing over sequences whose adapter is not resident is bounded, so a long backlog of
         # them does not make every step O(waiting); those behind wait for the loads ahead.
         pass_over = 4 * max_seqs
+        cached_tokens = 0
         while not preempted and i < len(waiting) and budget > 0 and len(self.running) < max_seqs:
             seq = waiting[i]
             if ready is not None and not ready(seq):
@@ -146,17 +163,24 @@ class Scheduler:
                 if i >= pass_over:
                     break
                 continue
-            n = min(seq.num_uncomputed, budget)
-            need = self.blocks_for(seq.num_computed + n) - len(seq.block_ids)
-            if need > self.pool.num_free:
+            # A waiting sequence holds no blocks and has nothing computed (new, or preempted).
+            hits = prefix.lookup(seq) if prefix is not None else []
+            start = len(hits) * self.block_size
+            n = min(seq.num_tokens - start, budget)
+            need = self.blocks_for(start + n) - len(hits)
+            # Holding a cached hit block takes it off the free count as allocating would.
+            if need + (prefix.num_unheld(hits) if prefix is not None and hits else 0) > self.pool.num_free:
                 break
             waiting.pop(i)
+            if prefix is not None:  # the hits are held before allocating, which could evict them
+                prefix.admit(seq, hits)
+                cached_tokens += start
             seq.block_ids.extend(self.pool.allocate(need))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, n, _is_decode(seq, n)))
             budget -= n
-        return StepPlan(tuple(chunks), tuple(preempted))
+        return StepPlan(tuple(chunks), tuple(preempted), cached_tokens)
 
     def _hold_admissions(self, budget: int) -> bool:
         """Whether a pure decode step keeps its waiting prompts back: while fewer than
@@ -198,8 +222,12 @@ class Scheduler:
         self._insert_waiting(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_ids)
+        if self.prefix is not None:  # its computed full blocks stay cached after it lets go
+            self.prefix.commit(seq)
+        # last block first: a sequence's tail is evicted before its (likelier shared) prefix
+        self.pool.free(reversed(seq.block_ids))
         seq.block_ids = []
+        seq.num_committed_blocks = 0
 
     def _insert_waiting(self, seq: Sequence) -> None:
         pos = len(self.waiting)

@@ -42,6 +42,13 @@ class Sequence:
     admission_tier: str | None = None
     admitted_at: float = 0.0
     stalled_since: float | None = None
+    # The prefix cache (`kv/prefix_cache.py`): the hash chain's seed (None: the request neither
+    # reads nor writes the cache), the chain hashes of its full blocks so far, how many of its
+    # blocks the cache knows (hits and committed blocks), and its first admission's hit in tokens.
+    cache_seed: bytes | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_committed_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def prompt_len(self) -> int:

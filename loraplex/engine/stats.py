@@ -22,6 +22,8 @@ class StepStats:
     num_waiting: int
     preempted: tuple[str, ...]
     static_replay: bool = False  # a decode step run on the static buffers (a CUDA-graph replay on CUDA)
+    # tokens the sequences admitted in this step took from the prefix cache (rows not computed)
+    num_cached_tokens: int = 0
 
     @classmethod
     def of(
@@ -58,4 +60,5 @@ class StepStats:
             num_waiting=len(scheduler.waiting),
             preempted=plan.preempted,
             static_replay=static_replay,
+            num_cached_tokens=plan.cached_tokens,
         )

@@ -50,6 +50,7 @@ class _AddMany:
     adapter: str | AdapterRef | None
     streams: list[_Stream]
     tenant: str | None = None  # resolve `adapter` among what this tenant may use (None: anything)
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     done: Future[None] = field(default_factory=Future)
 
 
@@ -93,6 +94,7 @@ class AsyncEngine:
         requests: list[tuple[str, str | list[int], SamplingParams]],
         adapter: str | AdapterRef | None,
         tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[asyncio.Queue[OutputDelta]]:
         """Admit requests together in one engine command: every one on the same adapter revision,
         and none of them if one is refused (the engine's ValueError is raised here). The adapter
@@ -100,7 +102,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         streams = [_Stream(loop, asyncio.Queue(), now) for _ in requests]
-        cmd = _AddMany(requests, adapter, streams, tenant)
+        cmd = _AddMany(requests, adapter, streams, tenant, cache_salt)
         self._commands.put(cmd)
         await asyncio.wrap_future(cmd.done)
         return [s.outputs for s in streams]
@@ -172,7 +174,7 @@ class AsyncEngine:
             if isinstance(pinned, str):  # once, at admission: a repointed alias changes no running request
                 pinned = engine.adapters.resolve(pinned, cmd.tenant).ref
             for request_id, prompt, params in cmd.requests:
-                engine.add_request(request_id, prompt, params, pinned)
+                engine.add_request(request_id, prompt, params, pinned, cmd.cache_salt)
                 added.append(request_id)
                 pinned = engine.output(request_id).adapter  # the first admission pins the revision
         except Exception as err:  # reported to the handler, which maps it to an HTTP error

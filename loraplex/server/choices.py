@@ -30,11 +30,12 @@ async def run_choices(
     runs: list[ChoiceRun],
     adapter: str | None,
     tenant: str | None = None,
+    cache_salt: str | None = None,
 ) -> list[asyncio.Queue[OutputDelta]]:
     """Admit every choice in one engine command: all or none, and all on one adapter revision, so
     a registration in between cannot split one response across two revisions."""
     return await async_engine.add_many(
-        [(run.request_id(request_id), run.prompt, run.params) for run in runs], adapter, tenant
+        [(run.request_id(request_id), run.prompt, run.params) for run in runs], adapter, tenant, cache_salt
     )
 
 

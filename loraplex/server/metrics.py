@@ -79,6 +79,28 @@ class ServerMetrics(StepObserver):
             registry=r,
         )
         self.steps = Counter("loraplex_engine_steps", "Engine steps run", registry=r)
+        by_unit = ["unit"]  # tokens | blocks
+        self.prefix_queries = Counter(
+            "loraplex_prefix_cache_queries",
+            "Known tokens / full blocks of the sequences admitted while the prefix cache is on",
+            by_unit,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "loraplex_prefix_cache_hits",
+            "Of those, tokens / blocks whose K/V came from the prefix cache",
+            by_unit,
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "loraplex_prefix_cache_hit_rate", "Prefix-cache hits / queries since startup", by_unit, registry=r
+        )
+        self.prefix_cached_blocks = Gauge(
+            "loraplex_prefix_cache_blocks", "KV blocks the prefix cache knows (held or not)", registry=r
+        )
+        self.prefix_evictions = Counter(
+            "loraplex_prefix_cache_evictions", "Cached KV blocks whose room was taken back", registry=r
+        )
         self.preemptions = Counter("loraplex_preemptions", "Sequences preempted for KV space", registry=r)
         self.graph_replays = Counter(
             "loraplex_cuda_graph_replays", "Decode steps run as CUDA-graph replays", registry=r
@@ -119,6 +141,7 @@ class ServerMetrics(StepObserver):
         r.register(self.residency)
         self._max_adapters = 0
         self._tier_events = -1
+        self._prefix_seen = (0, 0, 0, 0, 0, 0)  # the prefix cache's numbers last exported
 
     # --- StepObserver (called on the engine thread) ---------------------------------------------
 
@@ -162,6 +185,26 @@ class ServerMetrics(StepObserver):
         if engine.tiers.events != self._tier_events:  # only when residency changed: cheap per step
             self._tier_events = engine.tiers.events
             self._on_tiers(engine.tiers.stats())
+        if engine.prefix_cache is not None:
+            self._on_prefix_cache(engine)
+
+    def _on_prefix_cache(self, engine: Engine) -> None:
+        """Export the prefix cache's numbers when they moved (admissions, commits, evictions)."""
+        assert engine.prefix_cache is not None
+        s, pool = engine.prefix_cache.stats, engine.pool
+        now = (s.query_tokens, s.hit_tokens, s.query_blocks, s.hit_blocks, pool.evictions, pool.num_cached)
+        last = self._prefix_seen
+        if now == last:
+            return
+        self._prefix_seen = now
+        self.prefix_queries.labels("tokens").inc(now[0] - last[0])
+        self.prefix_hits.labels("tokens").inc(now[1] - last[1])
+        self.prefix_queries.labels("blocks").inc(now[2] - last[2])
+        self.prefix_hits.labels("blocks").inc(now[3] - last[3])
+        self.prefix_evictions.inc(now[4] - last[4])
+        self.prefix_hit_rate.labels("tokens").set(s.token_hit_rate)
+        self.prefix_hit_rate.labels("blocks").set(s.block_hit_rate)
+        self.prefix_cached_blocks.set(pool.num_cached)
 
     def _on_tiers(self, stats: dict[str, Any]) -> None:
         self.residency.stats = (

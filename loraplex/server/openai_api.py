@@ -197,7 +197,9 @@ async def _respond(
     request_id = ("chatcmpl-" if prepared.chat else "cmpl-") + uuid.uuid4().hex
     runs = prepared.runs
     try:
-        streams = await run_choices(async_engine, request_id, runs, prepared.adapter, _tenant(request))
+        streams = await run_choices(
+            async_engine, request_id, runs, prepared.adapter, _tenant(request), prepared.cache_salt
+        )
     except UnknownAdapterError as err:
         raise _not_found(prepared.model, err) from None
     except ValueError as err:

@@ -38,6 +38,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     chat: bool
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
 
 
 class RequestPreparer:
@@ -247,7 +248,7 @@ class RequestPreparer:
     ) -> PreparedRequest:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         adapter = None if req.model == self.served_model else req.model
-        return PreparedRequest(req.model, adapter, runs, req.stream, include_usage, chat)
+        return PreparedRequest(req.model, adapter, runs, req.stream, include_usage, chat, req.cache_salt)
 
 
 def parse_model(body: bytes, model: type[_M], max_json_depth: int) -> _M:

@@ -63,6 +63,9 @@ class _SamplingFields(BaseModel):
     top_k: int = Field(default=0, ge=-1)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Only requests with the same salt share prefix-cache blocks (as vLLM accepts it): a client
+    # that wants its prompts unobservable through time to first token sends a secret one.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

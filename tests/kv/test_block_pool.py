@@ -82,22 +82,23 @@ def test_freeing_a_block_that_was_never_handed_out_raises() -> None:
 
 
 def test_integrity_check_catches_a_broken_partition() -> None:
-    """Every block id must be exactly one of free or used: corrupt the pool's sets by hand."""
+    """Every block id must be exactly one of held, free or cached: corrupt the pool by hand."""
     pool = BlockPool(4)
     pool.allocate(1)
-    pool._used.discard(0)  # a block lost: neither free nor used (leaked)
+    pool._refs[0] = 0  # a block lost: neither held, free nor cached (leaked)
     with pytest.raises(AssertionError):
         pool.check_integrity()
 
     pool = BlockPool(4)
     pool.allocate(1)
-    pool._free.append(0)  # a block both used and free: it would be handed out twice
+    pool._free.append(0)  # a block both held and free: it would be handed out twice
     with pytest.raises(AssertionError):
         pool.check_integrity()
 
     pool = BlockPool(4)
     pool.allocate(1)
-    pool._used.discard(0)
+    pool._refs[0] = 0
+    pool._num_held = 0
     pool._free.append(1)  # the count still adds up, but block 0 is lost and block 1 is free twice
     with pytest.raises(AssertionError):
         pool.check_integrity()
@@ -106,6 +107,85 @@ def test_integrity_check_catches_a_broken_partition() -> None:
     pool._free[0] = 7  # an id outside the pool
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+    pool = BlockPool(4)
+    (b,) = pool.allocate(1)
+    pool.cache(b, b"h", None)
+    pool.free([b])
+    pool._free.append(b)  # both cached and free
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+    pool = BlockPool(4)
+    (b,) = pool.allocate(1)
+    pool.cache(b, b"h", None)
+    pool._block_of[b"h"] = 3  # the two maps disagree: a lookup would hand out the wrong block
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+# --- cached blocks ---------------------------------------------------------------------------------
+
+
+def test_a_freed_block_with_a_hash_stays_cached_until_its_room_is_needed() -> None:
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    assert pool.cache(a, b"ha", None) and pool.cache(b, b"hb", "rev")
+    pool.free([c, b, a])  # c plain free; b, then a cached (a most recently freed)
+    assert (pool.num_free, pool.num_used, pool.num_cached) == (3, 0, 2)
+    assert pool.lookup(b"ha") == a and pool.lookup(b"hb") == b
+    pool.check_integrity()
+    assert pool.allocate(1) == [c]  # a free block before any cached one
+    assert pool.num_cached == 2 and pool.evictions == 0
+    assert pool.allocate(1) == [b]  # then the least recently freed cached block, losing its hash
+    assert pool.lookup(b"hb") is None and pool.lookup(b"ha") == a and pool.evictions == 1
+    pool.check_integrity()
+
+
+def test_a_hit_takes_a_cached_block_back_and_shares_a_held_one() -> None:
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.cache(a, b"ha", None)
+    pool.acquire(a)  # a second holder while the first still holds it
+    assert pool.ref_count(a) == 2 and pool.num_used == 1
+    pool.free([a])
+    assert pool.ref_count(a) == 1 and pool.num_free == 1
+    pool.free([a])
+    assert pool.num_free == 2 and pool.num_cached == 1
+    pool.acquire(a)  # from the cached list: no longer evictable
+    assert pool.num_free == 1 and pool.num_used == 1
+    assert pool.allocate(1) != [a]
+    pool.check_integrity()
+    with pytest.raises(AssertionError, match="no hash"):
+        pool.acquire(1 - a)
+
+
+def test_one_hash_one_block() -> None:
+    pool = BlockPool(3)
+    a, b, _ = pool.allocate(3)
+    assert pool.cache(a, b"h", None)
+    assert not pool.cache(b, b"h", None)  # computed twice at once: the first keeps the hash
+    assert not pool.cache(a, b"other", None)  # a block has one hash
+    pool.free([b])
+    assert pool.num_cached == 1 and b in pool._free  # b had no hash: plain free
+    pool.check_integrity()
+
+
+def test_uncache_drops_one_tags_blocks_held_or_not() -> None:
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    pool.cache(a, b"a", "r1")
+    pool.cache(b, b"b", "r1")
+    pool.cache(c, b"c", "r2")
+    pool.cache(d, b"d", None)
+    pool.free([a, c, d])  # b stays held
+    assert pool.uncache("r1") == 2
+    assert pool.lookup(b"a") is None and pool.lookup(b"b") is None and pool.lookup(b"c") == c
+    assert pool.tags() == {"r2", None} and a in pool._free
+    pool.check_integrity()
+    pool.free([b])  # held when its hash went: freed as a plain block
+    assert b in pool._free and pool.num_cached == 2
+    pool.check_integrity()
 
 
 def test_random_allocate_and_free_never_shares_a_block() -> None:

@@ -58,6 +58,7 @@ def test_graph_replays_counted_only_for_real_replays() -> None:
         kernel_compiles=5,
         warmup_s=1.5,
         tiers=_tiers(),
+        prefix_cache=None,  # (the prefix-cache series have their own test)
     )
     metrics.on_step(engine)
     metrics.on_step(engine)
