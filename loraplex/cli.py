@@ -89,6 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="threads that parse, validate and tokenize requests (default: 4)",
     )
+    for flag, what in (("adapters", "adapter names"), ("tenants", "tenants")):
+        serve.add_argument(
+            f"--metrics-max-{flag}",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"at most N {what} get per-request metric series of their own; the rest are "
+            "counted under _other (default: 64)",
+        )
+    serve.add_argument(
+        "--metrics-min-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="an adapter or tenant takes one of those series slots once it has sent N requests (default: 1)",
+    )
     serve.add_argument(
         "--data-dir",
         default=None,
@@ -205,6 +221,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     settings.api_keys = [*settings.api_keys, *args.api_key]
     settings.limits = limits_from_args(settings.limits, args)
     settings.prepare_workers = args.prepare_workers or settings.prepare_workers
+    for name in ("metrics_max_adapters", "metrics_max_tenants", "metrics_min_requests"):
+        if getattr(args, name) is not None:  # 0 is a cap too (everything under _other)
+            setattr(settings, name, getattr(args, name))
     settings.data_dir = args.data_dir or settings.data_dir or str(default_data_dir())
     settings.source_roots = [*settings.source_roots, *args.allow_source_root]
     settings.source_hosts = [*settings.source_hosts, *args.allow_source_host]

@@ -22,6 +22,7 @@ from typing import Any
 
 from loraplex.engine.engine import Engine
 from loraplex.server.deltas import Cursor, OutputDelta
+from loraplex.server.request_metrics import deadline_of
 from loraplex.types import AdapterRef, RequestOutput, SamplingParams
 
 # The step thread and the event loop share the GIL. Every torch op and every socket write releases
@@ -33,12 +34,23 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
+class RequestTimes:
+    """One request's identity and clocks (monotonic seconds), as the observer hears of them."""
+
+    arrival: float  # when the HTTP handler handed it to the engine thread
+    tenant: str | None = None
+    adapter: AdapterRef | None = None  # the revision it was admitted on
+    scheduled: float | None = None  # the start of the first step that computed rows of it
+    first_token: float | None = None
+    deadline_s: float | None = None  # its time-to-first-token deadline (request_metrics.deadline_of)
+    labels: Any = None  # the observer's own, set at admission (metrics pin label values there)
+
+
+@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[OutputDelta]
-    arrival: float
-    adapter: AdapterRef | None = None
-    first_token: float | None = None
+    times: RequestTimes
     sent: Cursor = field(default_factory=Cursor)  # what `outputs` has been given so far
 
 
@@ -57,9 +69,16 @@ class _AddMany:
 class StepObserver:
     """Hooks the loop calls on its own thread (metrics implement these)."""
 
-    def on_admitted(self, out: RequestOutput) -> None: ...
-    def on_first_token(self, adapter: AdapterRef | None, seconds: float) -> None: ...
-    def on_finished(self, out: RequestOutput, seconds_per_output_token: float | None) -> None: ...
+    def on_admitted(self, out: RequestOutput, times: RequestTimes) -> None: ...
+    def on_scheduled(self, times: RequestTimes) -> None:
+        """A step computed rows of the request for the first time (it started at `times.scheduled`)."""
+
+    def on_first_token(self, times: RequestTimes) -> None: ...
+    def on_finished(
+        self, out: RequestOutput, times: RequestTimes, seconds_per_output_token: float | None
+    ) -> None:
+        """The request finished or was aborted (`times.first_token` None: before its first token)."""
+
     def on_step(self, engine: Engine) -> None: ...
     def on_gauges(self, engine: Engine) -> None:
         """Queue and cache levels changed outside a step (admissions, aborts)."""
@@ -71,6 +90,7 @@ class AsyncEngine:
         self.observer = observer or StepObserver()
         self._commands: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
+        self._unscheduled: set[str] = set()  # admitted requests no step has computed rows of yet
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self.error: BaseException | None = None
@@ -101,7 +121,7 @@ class AsyncEngine:
         (an alias, a name or name@revision) is resolved there, among what `tenant` may use."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        streams = [_Stream(loop, asyncio.Queue(), now) for _ in requests]
+        streams = [_Stream(loop, asyncio.Queue(), RequestTimes(now, tenant)) for _ in requests]
         cmd = _AddMany(requests, adapter, streams, tenant, cache_salt)
         self._commands.put(cmd)
         await asyncio.wrap_future(cmd.done)
@@ -154,10 +174,11 @@ class AsyncEngine:
             rid = cmd[1]
             if self.engine.abort(rid):
                 stream = self._streams.pop(rid, None)
+                self._unscheduled.discard(rid)
                 out = self.engine.output(rid)
                 self.engine.release(rid)
                 if stream is not None:
-                    self.observer.on_finished(out, None)
+                    self.observer.on_finished(out, stream.times, None)
                     self._push(stream, stream.sent.of_output(out))
         elif cmd[0] == "call":
             _, fn, fut = cmd
@@ -185,15 +206,20 @@ class AsyncEngine:
             return
         for request_id, stream in zip(added, cmd.streams, strict=True):
             out = engine.output(request_id)
-            stream.adapter = out.adapter
+            stream.times.adapter = out.adapter
+            stream.times.deadline_s = deadline_of(engine.sequence(request_id))
             self._streams[request_id] = stream
-            self.observer.on_admitted(out)
+            self._unscheduled.add(request_id)
+            self.observer.on_admitted(out, stream.times)
         cmd.done.set_result(None)
 
     def _step(self) -> None:
         engine = self.engine
+        start = time.monotonic()
         deltas = engine.step()
         now = time.monotonic()
+        if self._unscheduled and engine.last_stats is not None:
+            self._note_scheduled(engine.last_stats.rows_per_request, start)
         # One wake-up of each consumer loop per step, carrying every delta for it (a wake-up per
         # request costs the step thread a few microseconds each, at hundreds of streams per step).
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[OutputDelta], OutputDelta]]] = {}
@@ -203,21 +229,39 @@ class AsyncEngine:
             if stream is None:
                 continue
             delta = stream.sent.of_sequence(engine.sequence(rid))
-            if stream.first_token is None:
-                stream.first_token = now
-                self.observer.on_first_token(stream.adapter, now - stream.arrival)
+            times = stream.times
+            if times.first_token is None:
+                times.first_token = now
+                self.observer.on_first_token(times)
             if step_delta.finished:
                 del self._streams[rid]
+                self._unscheduled.discard(rid)
                 out = engine.output(rid, copy_prompt=False)  # once per request, for the observer
                 engine.release(rid)
                 num_tokens = stream.sent.num_tokens
-                tpot = (now - stream.first_token) / (num_tokens - 1) if num_tokens > 1 else None
-                self.observer.on_finished(out, tpot)
+                tpot = (now - times.first_token) / (num_tokens - 1) if num_tokens > 1 else None
+                self.observer.on_finished(out, times, tpot)
             batches.setdefault(stream.loop, []).append((stream.outputs, delta))
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens any more
                 loop.call_soon_threadsafe(_deliver, items)
         self.observer.on_step(engine)
+
+    def _note_scheduled(self, rows_per_request: dict[str, int], start: float) -> None:
+        """End the queueing time of the requests this step computed rows of for the first time.
+        Walks the smaller of the step's rows and the unscheduled set: a deep queue under overload
+        costs no more per step than the batch does."""
+        unscheduled = self._unscheduled
+        if len(unscheduled) <= len(rows_per_request):
+            started = [rid for rid in unscheduled if rid in rows_per_request]
+        else:
+            started = [rid for rid in rows_per_request if rid in unscheduled]
+        for rid in started:
+            unscheduled.discard(rid)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.times.scheduled = start
+                self.observer.on_scheduled(stream.times)
 
     @staticmethod
     def _push(stream: _Stream, delta: OutputDelta) -> None:

@@ -1,4 +1,6 @@
-"""Prometheus metrics, labelled by adapter name and revision (`base` for the base model).
+"""Prometheus metrics: per request by adapter (name and revision, `base` for the base model) and
+by tenant, with capped label values (`request_metrics.py`); per engine step; prefix cache,
+residency tiers and the rest as levels and totals.
 
 Each server owns its own registry, so several servers in one process (tests) never collide.
 """
@@ -6,6 +8,7 @@ Each server owns its own registry, so several servers in one process (tests) nev
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 from prometheus_client import (
@@ -18,64 +21,54 @@ from prometheus_client import (
 )
 
 from loraplex.engine.engine import Engine
-from loraplex.server.async_engine import StepObserver
+from loraplex.server.async_engine import RequestTimes, StepObserver
+from loraplex.server.request_metrics import RequestMetrics
 from loraplex.server.residency_metrics import ResidencyCollector
-from loraplex.types import AdapterRef, RequestOutput
+from loraplex.types import RequestOutput
 
 disable_created_metrics()  # the *_created series only add noise to every counter
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ADAPTER_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32, 64, 128)
+_OCCUPANCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
-
+# Which lines of the exposition name an adapter, or a tenant (a tenant's view filters on both).
 _ADAPTER_LABEL = re.compile(rb'[{,]adapter="([^"]*)"')
-
-
-def _labels(adapter: AdapterRef | None) -> tuple[str, str]:
-    return ("base", "") if adapter is None else (adapter.name, adapter.revision[:12])
+_TENANT_LABEL = re.compile(rb'[{,]tenant="([^"]*)"')
 
 
 class ServerMetrics(StepObserver):
-    def __init__(self) -> None:
+    """`max_adapters`, `max_tenants`, `min_requests`: the label caps of the per-request series
+    (`request_metrics.py`)."""
+
+    def __init__(self, max_adapters: int = 64, max_tenants: int = 64, min_requests: int = 1) -> None:
         self.registry = CollectorRegistry()
-        by_adapter = ["adapter", "revision"]
         r = self.registry
-        self.requests = Counter("loraplex_requests", "Requests admitted", by_adapter, registry=r)
-        self.finished = Counter(
-            "loraplex_requests_finished", "Requests finished", [*by_adapter, "reason"], registry=r
-        )
-        self.prompt_tokens = Counter(
-            "loraplex_prompt_tokens", "Prompt tokens admitted", by_adapter, registry=r
-        )
-        self.generation_tokens = Counter(
-            "loraplex_generation_tokens", "Tokens generated", by_adapter, registry=r
-        )
-        self.ttft = Histogram(
-            "loraplex_time_to_first_token_seconds",
-            "Admission to first token",
-            by_adapter,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "loraplex_time_per_output_token_seconds",
-            "Mean time between output tokens of a request",
-            by_adapter,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        # The per-request series, by adapter and by tenant, their label values capped.
+        self.per_request = RequestMetrics(r, max_adapters, max_tenants, min_requests)
         self.running = Gauge("loraplex_requests_running", "Requests being computed", registry=r)
         self.waiting = Gauge("loraplex_requests_waiting", "Requests waiting for admission", registry=r)
         self.kv_usage = Gauge("loraplex_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.step_segments = Histogram(
+            "loraplex_step_lora_segments",
+            "LoRA segments the step's LoRA ops ran (one per adapter slot among its rows)",
+            buckets=_ADAPTER_BUCKETS,
+            registry=r,
+        )
         self.step_adapters = Histogram(
             "loraplex_step_distinct_adapters",
-            "Distinct adapter revisions per engine step",
+            "Distinct models among a step's rows: adapter revisions, and the base model as one",
             buckets=_ADAPTER_BUCKETS,
             registry=r,
         )
         self.max_step_adapters = Gauge(
             "loraplex_step_distinct_adapters_max",
-            "Most distinct adapter revisions seen in one step",
+            "Most distinct models (adapter revisions, the base as one) seen in one step",
+            registry=r,
+        )
+        self.step_occupancy = Histogram(
+            "loraplex_step_batch_occupancy_ratio",
+            "A step's token rows / the step token budget (max_num_batched_tokens)",
+            buckets=_OCCUPANCY_BUCKETS,
             registry=r,
         )
         self.steps = Counter("loraplex_engine_steps", "Engine steps run", registry=r)
@@ -142,23 +135,31 @@ class ServerMetrics(StepObserver):
         self._max_adapters = 0
         self._tier_events = -1
         self._prefix_seen = (0, 0, 0, 0, 0, 0)  # the prefix cache's numbers last exported
+        self._step_budget = 0  # the engine's step token budget, read at its first step
 
     # --- StepObserver (called on the engine thread) ---------------------------------------------
 
-    def on_admitted(self, out: RequestOutput) -> None:
-        labels = _labels(out.adapter)
-        self.requests.labels(*labels).inc()
-        self.prompt_tokens.labels(*labels).inc(len(out.prompt_token_ids))
+    def on_admitted(self, out: RequestOutput, times: RequestTimes) -> None:
+        times.labels = self.per_request.labels_of(out.adapter, times.tenant)
+        self.per_request.admitted(times.labels, out)
 
-    def on_first_token(self, adapter: AdapterRef | None, seconds: float) -> None:
-        self.ttft.labels(*_labels(adapter)).observe(seconds)
+    def on_scheduled(self, times: RequestTimes) -> None:
+        assert times.scheduled is not None
+        self.per_request.observe(self.per_request.queue_time, times.labels, times.scheduled - times.arrival)
 
-    def on_finished(self, out: RequestOutput, seconds_per_output_token: float | None) -> None:
-        labels = _labels(out.adapter)
-        self.finished.labels(*labels, out.finish_reason or "unknown").inc()
-        self.generation_tokens.labels(*labels).inc(len(out.token_ids))
-        if seconds_per_output_token is not None:
-            self.tpot.labels(*labels).observe(seconds_per_output_token)
+    def on_first_token(self, times: RequestTimes) -> None:
+        assert times.first_token is not None
+        self.per_request.observe(self.per_request.ttft, times.labels, times.first_token - times.arrival)
+
+    def on_finished(
+        self, out: RequestOutput, times: RequestTimes, seconds_per_output_token: float | None
+    ) -> None:
+        missed = None
+        if times.deadline_s is not None:
+            # A request that never got a first token missed it when it ended past its deadline.
+            end = times.first_token if times.first_token is not None else time.monotonic()
+            missed = end - times.arrival > times.deadline_s
+        self.per_request.finished_request(times.labels, out, seconds_per_output_token, missed)
 
     def on_gauges(self, engine: Engine) -> None:
         self.running.set(len(engine.scheduler.running))
@@ -171,10 +172,13 @@ class ServerMetrics(StepObserver):
         if stats is None:
             return
         self.steps.inc()
-        self.step_adapters.observe(stats.num_lora_segments)
-        if stats.num_lora_segments > self._max_adapters:
-            self._max_adapters = stats.num_lora_segments
-            self.max_step_adapters.set(stats.num_lora_segments)
+        self.step_segments.observe(stats.num_lora_segments)
+        distinct = stats.num_lora_segments + (stats.num_base_rows > 0)
+        self.step_adapters.observe(distinct)
+        if distinct > self._max_adapters:
+            self._max_adapters = distinct
+            self.max_step_adapters.set(distinct)
+        self.step_occupancy.observe(stats.num_rows / self._budget(engine))
         if stats.preempted:
             self.preemptions.inc(len(stats.preempted))
         if stats.static_replay and engine.graph_replays:
@@ -187,6 +191,11 @@ class ServerMetrics(StepObserver):
             self._on_tiers(engine.tiers.stats())
         if engine.prefix_cache is not None:
             self._on_prefix_cache(engine)
+
+    def _budget(self, engine: Engine) -> int:
+        if not self._step_budget:
+            self._step_budget = engine.config.scheduler.max_num_batched_tokens
+        return self._step_budget
 
     def _on_prefix_cache(self, engine: Engine) -> None:
         """Export the prefix cache's numbers when they moved (admissions, commits, evictions)."""
@@ -219,16 +228,20 @@ class ServerMetrics(StepObserver):
             self.tier_bytes.labels(tier).set(used)
             self.tier_budget.labels(tier).set(budget)
 
-    def render(self, adapters: set[str] | None = None) -> bytes:
-        """The text exposition; with `adapters`, only the per-adapter series of those names (and
-        the base model's): a tenant's view, which names no other tenant's private adapter."""
+    def render(self, adapters: set[str] | None = None, tenant: str | None = None) -> bytes:
+        """The text exposition; with `adapters`, a tenant's view: only the per-adapter series of
+        those names (and the base model's), and only `tenant`'s per-tenant series, so it names no
+        other tenant's private adapter nor another tenant. `_other` is left out of it too: it
+        sums adapters and tenants the caller may not see."""
         text = generate_latest(self.registry)
         if adapters is None:
             return text
         allowed = {b"base", *(a.encode() for a in adapters)}
+        own = (tenant or "").encode()
         kept = [
             line
             for line in text.split(b"\n")
-            if (m := _ADAPTER_LABEL.search(line)) is None or m.group(1) in allowed
+            if ((m := _ADAPTER_LABEL.search(line)) is None or m.group(1) in allowed)
+            and ((t := _TENANT_LABEL.search(line)) is None or t.group(1) == own)
         ]
         return b"\n".join(kept)

@@ -96,8 +96,8 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
-        # Per-adapter series name adapters: an admin key sees them all; any other caller only the
-        # names its tenant may use (another tenant's private adapter stays unnamed).
+        # Per-adapter and per-tenant series name adapters and tenants: an admin key sees them all;
+        # any other caller only the adapter names its tenant may use and its own tenant.
         principal: Principal = request.state.principal
         names = None
         if principal.role != "admin":
@@ -105,7 +105,8 @@ def create_app(
                 async_engine,
                 lambda e: {r.ref.name for r in e.adapters.list() if r.usable_by(principal.tenant)},
             )
-        return Response(metrics.render(names), media_type="text/plain; version=0.0.4")
+        text = metrics.render(names, principal.tenant)
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     def base_entry() -> dict[str, Any]:
         return {

@@ -36,6 +36,12 @@ class ServerSettings:
     source_roots: list[str] = field(default_factory=list)  # local directories the admin API may read
     source_hosts: list[str] = field(default_factory=list)  # http(s) hosts the admin API may fetch from
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (flat or nested sections)
+    # Label caps of the per-request metrics (`server/request_metrics.py`): at most this many adapter
+    # names / tenants get series of their own, each once it has sent `metrics_min_requests`
+    # requests; the rest are counted under `_other`.
+    metrics_max_adapters: int = 64
+    metrics_max_tenants: int = 64
+    metrics_min_requests: int = 1
 
 
 def load_settings_file(path: Path) -> ServerSettings:
@@ -98,7 +104,9 @@ def build_server(
             raise ValueError(f"served model name {served!r} collides with a registered adapter's name")
         tokens = [*settings.api_keys, *(k for k in os.environ.get("LORAPLEX_API_KEYS", "").split(",") if k)]
         keys = control.load_keys(tokens, os.environ.get(ADMIN_ENV))
-        metrics = ServerMetrics()
+        metrics = ServerMetrics(
+            settings.metrics_max_adapters, settings.metrics_max_tenants, settings.metrics_min_requests
+        )
         async_engine = AsyncEngine(engine, metrics)
         control.async_engine = async_engine
         app = create_app(
