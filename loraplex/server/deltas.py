@@ -34,6 +34,7 @@ class OutputDelta(NamedTuple):
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
     adapter: AdapterRef | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (usage's cached_tokens)
 
 
 class Cursor:
@@ -84,7 +85,10 @@ class Cursor:
         # The prompt's logprobs are copied, once: a preempted request records them again.
         plps = list(seq.prompt_logprobs) if params.prompt_logprobs is not None else None
         return delta._replace(
-            prompt_token_ids=seq.prompt_token_ids, prompt_logprobs=plps, adapter=seq.adapter
+            prompt_token_ids=seq.prompt_token_ids,
+            prompt_logprobs=plps,
+            adapter=seq.adapter,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def of_output(self, out: RequestOutput) -> OutputDelta:
@@ -94,7 +98,10 @@ class Cursor:
             return delta
         self.started = True
         return delta._replace(
-            prompt_token_ids=out.prompt_token_ids, prompt_logprobs=out.prompt_logprobs, adapter=out.adapter
+            prompt_token_ids=out.prompt_token_ids,
+            prompt_logprobs=out.prompt_logprobs,
+            adapter=out.adapter,
+            num_cached_tokens=out.num_cached_tokens,
         )
 
 
@@ -138,6 +145,7 @@ class Accumulator:
             first.prompt_token_ids,
             first.prompt_logprobs,
             first.adapter,
+            first.num_cached_tokens,
         )
 
     def output(self, request_id: str) -> RequestOutput:
@@ -153,4 +161,5 @@ class Accumulator:
             prompt_logprobs=first.prompt_logprobs,
             finished=last.finished,
             finish_reason=last.finish_reason,
+            num_cached_tokens=first.num_cached_tokens,
         )

@@ -154,7 +154,10 @@ class Renderer:
             "model": model,
             "choices": choices,
             "usage": _usage(
-                runs, [len(f.prompt_token_ids) for f in finals], [len(f.token_ids) for f in finals]
+                runs,
+                [len(f.prompt_token_ids) for f in finals],
+                [len(f.token_ids) for f in finals],
+                [f.num_cached_tokens for f in finals],
             ),
         }
 
@@ -189,8 +192,10 @@ class Renderer:
             merged = asyncio.Queue()
             pumps = [asyncio.create_task(_pump(i, q, merged)) for i, q in enumerate(queues)]
         streamers = [TextStreamer(run.params.stop) for run in runs]
-        # What the usage chunk counts: each choice's prompt (on its first delta) and tokens.
+        # What the usage chunk counts: each choice's prompt and its cached part (on its first
+        # delta) and its tokens.
         prompt_lens = [0] * len(runs)
+        cached = [0] * len(runs)
         num_tokens = [0] * len(runs)
         # Where each choice's next token starts in its text (the legacy logprobs' text_offset): by
         # the tokens' own text, as in a full response, not by the text sent, which a stream holds
@@ -217,6 +222,7 @@ class Renderer:
                     run = runs[i]
                     if delta.prompt_token_ids is not None:  # the choice's first delta
                         prompt_lens[i] = len(delta.prompt_token_ids)
+                        cached[i] = delta.num_cached_tokens
                     if not echoed[i]:  # the prompt goes out first, with the first delta's logprobs
                         echoed[i] = True
                         lp = None
@@ -252,7 +258,7 @@ class Renderer:
                     if text or delta.finished or lp is not None:
                         yield {**head, "choices": [choice]}
             if include_usage:
-                yield {**head, "choices": [], "usage": _usage(runs, prompt_lens, num_tokens)}
+                yield {**head, "choices": [], "usage": _usage(runs, prompt_lens, num_tokens, cached)}
         finally:
             for p in pumps:
                 p.cancel()
@@ -303,17 +309,23 @@ async def _pump(
             return
 
 
-def _usage(runs: list[ChoiceRun], prompt_lens: list[int], completion_lens: list[int]) -> dict[str, int]:
-    prompt_tokens = 0
+def _usage(
+    runs: list[ChoiceRun], prompt_lens: list[int], completion_lens: list[int], cached_lens: list[int]
+) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt tokens taken
+    from the prefix cache, by the same choice whose prompt tokens are counted."""
+    prompt_tokens = cached_tokens = 0
     seen_prompts: set[int] = set()
-    for run, prompt_len in zip(runs, prompt_lens, strict=True):
+    for run, prompt_len, cached in zip(runs, prompt_lens, cached_lens, strict=True):
         key = id(run.prompt)
         if key not in seen_prompts:  # n choices of one prompt count its tokens once
             seen_prompts.add(key)
             prompt_tokens += prompt_len
+            cached_tokens += cached
     completion = sum(completion_lens)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }

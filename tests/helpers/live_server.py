@@ -32,10 +32,12 @@ def live_server(
     data_dir: str | None = None,
     source_roots: tuple[str, ...] = (),
     lora: LoRAConfig | None = None,
+    settings_kw: dict | None = None,
     **engine_kw,  # noqa: ANN003
 ) -> Iterator[tuple[str, Server]]:
     """A server on `model` with `adapters`; `engine_kw` are SchedulerConfig fields; `lora` the LoRA
-    settings (adapter tier budgets); `data_dir` None: a temporary one."""
+    settings (adapter tier budgets); `settings_kw` more ServerSettings fields; `data_dir` None: a
+    temporary one."""
     settings = ServerSettings(
         model=model,
         adapters=adapters,
@@ -45,6 +47,8 @@ def live_server(
     )
     if limits is not None:
         settings.limits = limits
+    for name, value in (settings_kw or {}).items():
+        setattr(settings, name, value)
     config = EngineConfig(model_dir=model, scheduler=SchedulerConfig(**engine_kw), lora=lora or LoRAConfig())
     server = build_server(settings, config, progress=False)
     server.async_engine.start()
