@@ -92,17 +92,21 @@ def _adapter_key(seq: Sequence) -> str | None:
 class AdaptivePolicy:
     """Adapter-aware, fair admission. Order of a step's candidates:
 
-    1. starved: sequences that waited `max_wait_ms` or more, oldest first. One whose adapter is not
-       ready blocks admissions behind it (`blocks`), so running work drains and frees what its load
-       needs; otherwise a stream of ready work could pass it over forever.
-    2. urgent: sequences whose TTFT deadline is less than `deadline_slack_ms` away, earliest first.
+    1. urgent: sequences whose TTFT deadline is less than `deadline_slack_ms` away, earliest first.
        They skip the locality window and the adapter cap: a deadline is what mixes them in.
-    3. the rest by tenant fairness: the backlogged tenant with the least weighted service (virtual
-       token counter: rows planned for it / its weight) goes next; within a tenant, the highest
-       priority, then arrival. Here the locality window applies: a sequence whose adapter is neither
-       running nor already picked this step waits up to `locality_window_ms` for same-adapter
-       company (admitted at once when `locality_group` of its adapter wait), and no step admits a
-       new adapter beyond `max_adapters_per_step` distinct ones.
+    2. the rest by tenant fairness: the backlogged tenant with the least weighted service (virtual
+       token counter: rows planned for it / its weight) goes next. Within a tenant, its oldest
+       request if it waited `max_wait_ms` or more (the starvation bound), else the highest
+       priority, then arrival. The locality window applies to the latter: a sequence whose adapter
+       is neither running nor already picked this step waits up to `locality_window_ms` for
+       same-adapter company (admitted at once when `locality_group` of its adapter wait), and no
+       step admits a new adapter beyond `max_adapters_per_step` distinct ones.
+
+    The starvation bound is per tenant because across tenants fairness is the bound: a tenant
+    asking more than its share waits for its own backlog, and making its old requests go first
+    across tenants would hand a flood the whole machine again. A starved request whose adapter is
+    not ready blocks admissions behind it (`blocks`), so running work drains and frees the slot its
+    load needs; otherwise a stream of ready work could pass it over forever.
 
     Per step the work is bounded by the candidates looked at (`limit`) and the number of tenants,
     never the queue length: per-tenant heaps with lazy deletion, a deadline heap, an arrival-ordered
@@ -120,6 +124,7 @@ class AdaptivePolicy:
         self.weights = _parse_weights(config.tenant_weights)
         self._tick = itertools.count()  # heap tie-break, so sequences are never compared
         self._waiting: dict[Sequence, None] = {}  # insertion (about arrival) order
+        self._tenant_waiting: dict[str, dict[Sequence, None]] = {}  # per tenant, oldest first
         self._by_tenant: dict[str, list[tuple[int, int, int, Sequence]]] = {}
         self._deadlines: list[tuple[float, int, Sequence]] = []
         self._vtc: dict[str, float] = {}
@@ -138,6 +143,7 @@ class AdaptivePolicy:
             self._vtc[tenant] = max(self._vtc.get(tenant, 0.0), floor)
         self._live[tenant] += 1
         self._waiting[seq] = None
+        self._tenant_waiting.setdefault(tenant, {})[seq] = None
         heapq.heappush(
             self._by_tenant.setdefault(tenant, []), (-seq.priority, seq.arrival, next(self._tick), seq)
         )
@@ -157,6 +163,7 @@ class AdaptivePolicy:
 
     def _unqueue(self, seq: Sequence) -> None:
         del self._waiting[seq]
+        del self._tenant_waiting[seq.tenant][seq]
         key = _adapter_key(seq)
         if key is not None:
             self._waiting_adapters[key] -= 1
@@ -188,11 +195,6 @@ class AdaptivePolicy:
     # --- the order -------------------------------------------------------------------------------
     def candidates(self, now: float, limit: int) -> Iterator[Sequence]:
         seen: set[Sequence] = set()
-        for seq in self._waiting:  # oldest first: stop at the first that has not waited long
-            if now - seq.waiting_since < self.max_wait or len(seen) >= limit:
-                break
-            seen.add(seq)
-            yield seq
         yield from self._urgent(now, seen, limit)
         yield from self._fair(now, seen, limit)
 
@@ -220,6 +222,14 @@ class AdaptivePolicy:
                 tenant = self._least_served(vtc)
                 if tenant is None:
                     return
+                oldest = next(iter(self._tenant_waiting[tenant]))
+                if oldest not in seen and now - oldest.waiting_since >= self.max_wait:
+                    # starved: first among its tenant's, past any hold (fairness still picks the tenant)
+                    seen.add(oldest)
+                    looked += 1
+                    vtc[tenant] += oldest.num_uncomputed / self.weights.get(tenant, 1.0)
+                    yield oldest
+                    continue
                 heap = self._by_tenant[tenant]
                 entry = heapq.heappop(heap)
                 seq = entry[3]
@@ -245,6 +255,8 @@ class AdaptivePolicy:
 
     def _hold(self, seq: Sequence, key: str, now: float, step_adapters: set[str]) -> bool:
         """Whether a sequence that would bring a new adapter into the step waits instead."""
+        if not step_adapters:
+            return False  # an idle machine gains nothing by waiting (and would never wake up)
         if len(step_adapters) >= self.max_adapters:
             return True
         fresh = now - seq.waiting_since < self.window
