@@ -244,7 +244,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # A request that would bring a new adapter into the step waits up to this long for
     # same-adapter company, unless `locality_group` requests of its adapter already wait.
-    locality_window_ms: int = 20
+    locality_window_ms: int = 150
     locality_group: int = 2
     max_adapters_per_step: int = 0  # distinct adapters admitted into a step; 0: no cap beyond max_num_seqs
     max_wait_ms: int = 5000  # starvation bound: a request that waited this long is admitted first

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SeqView
 from typing import Any, Protocol
 
@@ -115,7 +115,8 @@ class AdaptivePolicy:
 
     charges = True
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float]) -> None:
+        self._clock = clock
         self.window = config.locality_window_ms / 1000
         self.group = config.locality_group
         self.max_adapters = config.max_adapters_per_step or config.max_num_seqs
@@ -130,6 +131,7 @@ class AdaptivePolicy:
         self._vtc: dict[str, float] = {}
         self._live: Counter[str] = Counter()  # tenant -> waiting + running sequences
         self._running_adapters: Counter[str] = Counter()
+        self._last_ran: dict[str, float] = {}  # adapter -> when a sequence of it last left the running set
         self._waiting_adapters: Counter[str] = Counter()
         self.waiting = _View(self._waiting)
 
@@ -178,6 +180,7 @@ class AdaptivePolicy:
         key = _adapter_key(seq)
         if key is not None:
             self._running_adapters[key] -= 1
+            self._last_ran[key] = self._clock()
         self._live[seq.tenant] -= 1
 
     def charge(self, seq: Sequence, rows: int) -> None:
@@ -257,10 +260,11 @@ class AdaptivePolicy:
         """Whether a sequence that would bring a new adapter into the step waits instead."""
         if not step_adapters:
             return False  # an idle machine gains nothing by waiting (and would never wake up)
-        if len(step_adapters) >= self.max_adapters:
-            return True
-        fresh = now - seq.waiting_since < self.window
-        return fresh and self._waiting_adapters[key] < self.group
+        if self._waiting_adapters[key] >= self.group:
+            return False  # company is here: the group shares the segment it adds
+        if now - self._last_ran.get(key, -1e18) < self.window:
+            return False  # it ran a moment ago: a popular adapter between requests, not a stray
+        return len(step_adapters) >= self.max_adapters or now - seq.waiting_since < self.window
 
     def _least_served(self, vtc: dict[str, float]) -> str | None:
         best: str | None = None
@@ -304,9 +308,9 @@ def _parse_weights(text: str) -> dict[str, float]:
     return out
 
 
-def make_policy(config: SchedulerConfig) -> FCFSPolicy | AdaptivePolicy:
+def make_policy(config: SchedulerConfig, clock: Callable[[], float]) -> FCFSPolicy | AdaptivePolicy:
     if config.policy == "fcfs":
         return FCFSPolicy()
     if config.policy == "adaptive":
-        return AdaptivePolicy(config)
+        return AdaptivePolicy(config, clock)
     raise ValueError(f"unknown scheduler policy {config.policy!r}: fcfs or adaptive")

@@ -85,7 +85,7 @@ class Scheduler:
         self.block_size = block_size
         self.prefix = prefix  # None: no prefix cache
         # The waiting queue and its order (engine/policies.py); FCFS keeps it sorted by arrival.
-        self.policy = policy if policy is not None else make_policy(config)
+        self.policy = policy if policy is not None else make_policy(config, clock)
         self.running: list[Sequence] = []  # kept sorted by arrival
         # Each decoding sequence's `ScheduledChunk(seq, 1, True)`, made once and planned every step
         # it decodes (dropped when the sequence finishes).
