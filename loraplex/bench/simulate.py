@@ -15,12 +15,14 @@ an adapter-aware policy plugs in as one more `Policy` whose `build` returns its 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence as SeqView
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from loraplex.bench.sim_cost import StepCost, StepShape
 from loraplex.bench.sim_residency import SimResidency
@@ -35,8 +37,10 @@ from loraplex.types import AdapterRef, SamplingParams
 class SimScheduler(Protocol):
     """What the simulator needs of a scheduler (engine/scheduler.Scheduler's interface)."""
 
-    waiting: list[Sequence]
     running: list[Sequence]
+
+    @property
+    def waiting(self) -> SeqView[Sequence]: ...
 
     def add(self, seq: Sequence) -> None: ...
     def schedule(self) -> StepPlan: ...
@@ -72,8 +76,9 @@ class Policy:
             admission_batch_tokens=self.admission_batch_tokens,
             admission_max_wait_ms=self.admission_max_wait_ms,
             policy=self.policy,
-            **dict(self.knobs),
         )
+        knobs: dict[str, Any] = dict(self.knobs)
+        config = dataclasses.replace(config, **knobs)
         if self.build is not None:
             return self.build(config, pool, sim.block_size, ready, clock)
         batch = self.admission_batch_tokens

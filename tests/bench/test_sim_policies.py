@@ -12,7 +12,7 @@ from loraplex.bench.sim_report import summarize
 from loraplex.bench.simulate import POLICIES, Policy, SimConfig, SimRun, simulate
 from loraplex.bench.workloads import Workload, WorkloadSpec, generate
 
-LENGTHS = {"prompt_len": "uniform:128:512", "output_len": "uniform:32:128"}
+PROMPTS, OUTPUTS = "uniform:128:512", "uniform:32:128"
 
 
 def _run(work: Workload, policy: Policy, sim: SimConfig | None = None) -> tuple[SimRun, dict[str, Any]]:
@@ -31,7 +31,13 @@ def test_a_flooding_tenant_keeps_its_hands_off_the_other_tenants_latency_and_sha
     # Capacity here is about 34 requests/s; tenant b sends 8/s. Without the flood a sends 8/s too;
     # with it, 102/s (3x capacity).
     quiet = WorkloadSpec(
-        seed=2, num_requests=600, num_adapters=8, arrivals="poisson:16", tenants="a:1,b:1", **LENGTHS
+        seed=2,
+        num_requests=600,
+        num_adapters=8,
+        arrivals="poisson:16",
+        tenants="a:1,b:1",
+        prompt_len=PROMPTS,
+        output_len=OUTPUTS,
     )
     flood = dataclasses.replace(quiet, num_requests=4000, arrivals="poisson:110", tenants="a:102,b:8")
     fair, _ = _share_and_p99(flood, quiet, "adaptive")
@@ -59,7 +65,7 @@ def test_a_rarely_used_adapter_next_to_a_hot_one_meets_its_deadline() -> None:
     # a first token within 500 ms.
     spec = WorkloadSpec(
         seed=3, num_requests=1500, num_adapters=10, base_share=0.0, popularity="identical",
-        arrivals="poisson:45", tenants="h:44,r:1", deadlines="r:500", **LENGTHS,
+        arrivals="poisson:45", tenants="h:44,r:1", deadlines="r:500", prompt_len=PROMPTS, output_len=OUTPUTS,
     )  # fmt: skip
     work = _on_adapter(generate(spec), "r", 9)
     _, adaptive = _run(work, POLICIES["adaptive"])
@@ -98,7 +104,7 @@ def test_no_request_starves_past_the_bound() -> None:
     # adapter is not ready then holds admissions until running work frees the slot its load needs.
     spec = WorkloadSpec(
         seed=5, num_requests=2000, num_adapters=3, base_share=0.0, popularity="uniform",
-        arrivals="poisson:28", tenants="h:27,r:1", **LENGTHS,
+        arrivals="poisson:28", tenants="h:27,r:1", prompt_len=PROMPTS, output_len=OUTPUTS,
     )  # fmt: skip
     gen = generate(spec)
     reqs = [dataclasses.replace(r, adapter=2 if r.tenant == "r" else r.index % 2) for r in gen.requests]
