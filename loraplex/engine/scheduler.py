@@ -1,10 +1,11 @@
-"""FCFS continuous-batching scheduler with chunked prefill and preemption by recomputation.
+"""Continuous-batching scheduler with chunked prefill and preemption by recomputation.
 
 Works on sequences and block ids only; the model runner turns its plan into tensors. Each step:
 running sequences first (in arrival order; a decoding sequence asks for one row, a sequence
-still prefilling for its next chunk), then waiting sequences in arrival order while the token
-budget, the sequence limit and the KV pool allow. A waiting sequence that does not fit blocks
-the ones behind it (strict FCFS); one whose adapter is still loading is passed over. When a
+still prefilling for its next chunk), then waiting sequences in the admission policy's order
+(engine/policies.py; FCFS: arrival order) while the token budget, the sequence limit and the KV
+pool allow. A waiting sequence that does not fit blocks the ones behind it; one whose adapter is
+still loading is passed over (unless the policy says it blocks: a starved one). When a
 running sequence needs a block and none is free, the latest-arrived running sequence is
 preempted: its blocks are freed and it goes back to the waiting queue, to be recomputed from its
 prompt and generated tokens.
