@@ -239,8 +239,29 @@ class SchedulerConfig:
     # (every arrival admitted at once).
     admission_batch_tokens: int | None = None
     admission_max_wait_ms: int = 50
+    # Admission order (engine/policies.py): "fcfs" (arrival order) or "adaptive" (tenant fairness,
+    # priority, deadlines, adapter locality, a starvation bound); the knobs below are adaptive's.
+    policy: str = "fcfs"
+    # A request that would bring a new adapter into the step waits up to this long for
+    # same-adapter company, unless `locality_group` requests of its adapter already wait.
+    locality_window_ms: int = 150
+    locality_group: int = 2
+    max_adapters_per_step: int = 0  # distinct adapters admitted into a step; 0: no cap beyond max_num_seqs
+    max_wait_ms: int = 5000  # starvation bound: a request that waited this long is admitted first
+    deadline_slack_ms: int = 100  # a deadline this close makes a request urgent (before fairness)
+    tenant_weights: str = ""  # "a:3,b:1": shares of service when backlogged; others weigh 1
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "adaptive"):
+            raise ValueError(f"policy must be fcfs or adaptive, got {self.policy!r}")
+        knobs = (
+            self.locality_window_ms,
+            self.max_adapters_per_step,
+            self.max_wait_ms,
+            self.deadline_slack_ms,
+        )
+        if min(knobs) < 0 or self.locality_group < 1:
+            raise ValueError("the adaptive policy's knobs must be >= 0 (locality_group >= 1)")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.admission_batch_tokens is not None and self.admission_batch_tokens < 0:

@@ -86,13 +86,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         adapters: str | AdapterRef | None | Sequence[str | AdapterRef | None] = None,
         cache_salt: str | None | Sequence[str | None] = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs come back in prompt order.
 
         `adapters` gives, per prompt, None (base model), a name (its latest revision) or
         `name@revision`; a single value applies to every prompt. `cache_salt` (one, or one per
-        prompt): only requests with the same salt share prefix-cache blocks. Every request is
-        validated and resolved before any runs, so one bad entry raises ValueError and nothing runs.
+        prompt): only requests with the same salt share prefix-cache blocks. `priority` (one, or
+        one per prompt): admission order under the adaptive scheduler policy (higher first).
+        Every request is validated and resolved before any runs, so one bad entry raises
+        ValueError and nothing runs.
         """
         batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -102,12 +105,15 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), len(batch), SamplingParams)
         adapter_specs = _per_prompt(adapters, len(batch), (str, AdapterRef, type(None)))
         salts = _per_prompt(cache_salt, len(batch), (str, type(None)))
+        priorities = _per_prompt(priority, len(batch), int)
         request_ids = [f"gen-{next(self._ids)}" for _ in batch]
         engine = self.engine
         added: list[str] = []
         try:
-            for rid, prompt, p, a, salt in zip(request_ids, batch, params, adapter_specs, salts, strict=True):
-                engine.add_request(rid, prompt, p, a, salt)
+            for rid, prompt, p, a, salt, pri in zip(
+                request_ids, batch, params, adapter_specs, salts, priorities, strict=True
+            ):
+                engine.add_request(rid, prompt, p, a, salt, priority=pri)
                 added.append(rid)
         except Exception:
             for rid in added:

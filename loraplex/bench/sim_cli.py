@@ -90,7 +90,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Workload fields follow bench/workloads.py's syntax (default: 10,000 requests).",
     )
     p.add_argument("--smoke", action="store_true", help="a small bursty multi-tenant workload (seconds)")
-    p.add_argument("--policies", default="fcfs,fcfs-batched", help="comma list (fcfs, fcfs-batched)")
+    p.add_argument(
+        "--policies", default="fcfs,fcfs-batched,adaptive", help="comma list (fcfs, fcfs-batched, adaptive)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-blocks", type=int, help="KV blocks of 16 tokens (default: no preemption)")

@@ -20,6 +20,7 @@ def summarize(run: SimRun, starvation_s: float) -> dict[str, Any]:
     reqs = run.requests
     done = [q for q in reqs if q.first_token_s is not None]
     total_rows = sum(run.served_rows.values()) or 1
+    open_rows = sum(run.served_rows_open.values()) or 1
     by_tenant: dict[str, list[SimRequest]] = defaultdict(list)
     by_class: dict[str, list[SimRequest]] = defaultdict(list)
     for q in reqs:
@@ -38,7 +39,12 @@ def summarize(run: SimRun, starvation_s: float) -> dict[str, Any]:
         "ttft_s": percentiles([q.ttft for q in done]),
         "by_popularity": {k: _latency(v) for k, v in sorted(by_class.items())},
         "by_tenant": {
-            t: {**_latency(v), "service_share": run.served_rows.get(t, 0) / total_rows}
+            t: {
+                **_latency(v),
+                "service_share": run.served_rows.get(t, 0) / total_rows,
+                # while requests still arrive: what a flood takes from the others before the drain
+                "service_share_open": run.served_rows_open.get(t, 0) / open_rows,
+            }
             for t, v in sorted(by_tenant.items())
         },
         "starved": sum(1 for q in reqs if q.first_token_s is None or q.ttft > starvation_s),

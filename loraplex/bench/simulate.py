@@ -15,11 +15,14 @@ an adapter-aware policy plugs in as one more `Policy` whose `build` returns its 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence as SeqView
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from loraplex.bench.sim_cost import StepCost, StepShape
 from loraplex.bench.sim_residency import SimResidency
@@ -34,8 +37,10 @@ from loraplex.types import AdapterRef, SamplingParams
 class SimScheduler(Protocol):
     """What the simulator needs of a scheduler (engine/scheduler.Scheduler's interface)."""
 
-    waiting: list[Sequence]
     running: list[Sequence]
+
+    @property
+    def waiting(self) -> SeqView[Sequence]: ...
 
     def add(self, seq: Sequence) -> None: ...
     def schedule(self) -> StepPlan: ...
@@ -54,7 +59,9 @@ class Policy:
     name: str
     admission_batch_tokens: int | None = None  # None: half the step budget (the engine's CUDA default)
     admission_max_wait_ms: int = 50
-    build: SchedulerBuild | None = None  # None: the FCFS Scheduler with the knobs above
+    build: SchedulerBuild | None = None  # None: the Scheduler with the knobs above
+    policy: str = "fcfs"  # the admission order (engine/policies.py)
+    knobs: tuple[tuple[str, int], ...] = ()  # SchedulerConfig fields of that policy
 
     def scheduler(
         self,
@@ -68,7 +75,10 @@ class Policy:
             max_num_batched_tokens=sim.max_num_batched_tokens,
             admission_batch_tokens=self.admission_batch_tokens,
             admission_max_wait_ms=self.admission_max_wait_ms,
+            policy=self.policy,
         )
+        knobs: dict[str, Any] = dict(self.knobs)
+        config = dataclasses.replace(config, **knobs)
         if self.build is not None:
             return self.build(config, pool, sim.block_size, ready, clock)
         batch = self.admission_batch_tokens
@@ -80,6 +90,11 @@ class Policy:
 POLICIES: dict[str, Policy] = {
     "fcfs": Policy("fcfs", admission_batch_tokens=0),
     "fcfs-batched": Policy("fcfs-batched"),
+    # Adapter-aware and fair (engine/policies.py), every arrival admitted at once as in `fcfs`, so
+    # the two differ in order only: a new adapter waits up to 150 ms for company, nothing past 5 s.
+    "adaptive": Policy(
+        "adaptive", admission_batch_tokens=0, policy="adaptive", knobs=(("locality_window_ms", 150),)
+    ),
 }
 
 
@@ -129,6 +144,8 @@ class SimRun:
     wall_s: float  # virtual seconds from the first arrival to the last token
     runtime_s: float  # real seconds the simulation took
     served_rows: dict[str, int] = field(default_factory=dict)  # tenant -> rows computed for it
+    # the same, counted only while requests still arrive: the share under load, not the drain's
+    served_rows_open: dict[str, int] = field(default_factory=dict)
     loads: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0
 
@@ -161,9 +178,17 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
     live: dict[Sequence, _Live] = {}
     now = 0.0
 
+    asked: dict[int, None] = {}  # adapters the gate was asked about and had not resident
+
     def ready(seq: Sequence) -> bool:
+        # As the engine's gate (engine/adapter_admission.py), asking starts the load: here once
+        # the step is planned, so a sequence the policy tries first gets its load even when it
+        # is further back in the queue than `_start_loads` looks.
         a = live[seq].adapter
-        return a < 0 or residency.ready(a)
+        if a < 0 or residency.ready(a):
+            return True
+        asked[a] = None
+        return False
 
     sched = policy.scheduler(sim, pool, ready, lambda: now)
     concurrency = Arrivals.parse(workload.spec.arrivals).concurrency
@@ -171,6 +196,7 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
     results: list[SimRequest] = []
     steps: list[SimStep] = []
     served: dict[str, int] = {}
+    served_open: dict[str, int] = {}
     preemptions = 0
     order = 0
 
@@ -185,7 +211,8 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
         results.append(req)
         seq = Sequence(
             f"w{r.index}", [0] * r.prompt_len, SamplingParams(max_tokens=r.output_len, temperature=0.0),
-            None if a < 0 else refs[a], order,
+            None if a < 0 else refs[a], order, tenant=r.tenant,
+            deadline=None if r.deadline_s is None else arrival + r.deadline_s,
         )  # fmt: skip
         order += 1
         live[seq] = _Live(req, a)
@@ -204,6 +231,9 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
             _start_loads(sched, live, residency, now, sim.max_num_seqs)
         plan = sched.schedule()
         preemptions += len(plan.preempted)
+        if asked:
+            _load_asked(list(asked), sched, live, residency, now)
+            asked.clear()
         if not plan.chunks:
             now = _idle_until(now, pending, concurrency, residency)
             continue
@@ -220,6 +250,8 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
             lv = live[seq]
             tenant = lv.req.tenant
             served[tenant] = served.get(tenant, 0) + n
+            if pending:
+                served_open[tenant] = served_open.get(tenant, 0) + n
             if not completes:
                 continue
             seq.output_token_ids.append(0)
@@ -238,6 +270,7 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
         now,
         time.perf_counter() - started,
         dict(sorted(served.items())),
+        dict(sorted(served_open.items())),
         dict(residency.loads),
         preemptions,
     )
@@ -265,18 +298,30 @@ def _start_loads(
     sched: SimScheduler, live: dict[Sequence, _Live], residency: SimResidency, now: float, window: int
 ) -> None:
     """Load the adapters the first `window` waiting sequences need (a bounded look, so a long
-    backlog costs no more per step than a short one). Adapters that running sequences or these
-    waiting ones use are never evicted for it (as in adapters/eviction.py), else loads would
-    evict each other's adapters before any step used them."""
-    head = sched.waiting[:window]
-    missing = [a for s in head if (a := live[s].adapter) >= 0 and not residency.ready(a)]
-    if not missing:
+    backlog costs no more per step than a short one). Adapters that running sequences use, or
+    waiting ones ahead of the one a load is for, are never evicted for it (as in
+    adapters/eviction.py), else loads would evict each other's adapters before any step used them;
+    one needed only further back may go, or a stream of later work could keep a slot forever."""
+    head = [live[s].adapter for s in itertools.islice(sched.waiting, window)]
+    if all(a < 0 or residency.ready(a) for a in head):
         return
     in_use = {live[s].adapter for s in sched.running}
-    in_use.update(live[s].adapter for s in head)
-    for a in missing:
-        if not residency.request(a, now, in_use):
+    for a in head:
+        if a >= 0 and not residency.ready(a) and not residency.request(a, now, in_use):
             return  # every slot is in use: nothing more can start before a step ends
+        in_use.add(a)
+
+
+def _load_asked(
+    asked: list[int], sched: SimScheduler, live: dict[Sequence, _Live], residency: SimResidency, now: float
+) -> None:
+    """Start the loads the gate was asked for, in the order asked; adapters of running sequences,
+    and those asked earlier, are never evicted for them."""
+    in_use = {live[s].adapter for s in sched.running}
+    for a in asked:
+        if not residency.request(a, now, in_use):
+            return
+        in_use.add(a)
 
 
 def _idle_until(

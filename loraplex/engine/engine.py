@@ -191,9 +191,15 @@ class Engine:
         params: SamplingParams,
         adapter: str | AdapterRef | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
+        deadline_s: float | None = None,
     ) -> None:
         """Validate, resolve the adapter to an immutable revision, and queue the request.
-        `cache_salt`: only requests with the same salt share prefix-cache blocks.
+        `cache_salt`: only requests with the same salt share prefix-cache blocks. The adaptive
+        scheduler policy (engine/policies.py) serves tenants fairly, orders a tenant's requests by
+        `priority` (higher first), and puts one whose first token is due within `deadline_s`
+        (seconds from now) ahead when the deadline nears; FCFS ignores all three.
 
         Raises ValueError (nothing is queued or held) for a duplicate id, an empty or too long
         prompt, out-of-vocabulary token ids, or an unknown adapter. A prompt may fill the context
@@ -216,7 +222,11 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq = Sequence(request_id, token_ids, params, ref, next(self._arrivals), generator)
+        seq = Sequence(request_id, token_ids, params, ref, next(self._arrivals), generator, priority=priority)
+        if tenant is not None:
+            seq.tenant = tenant
+        if deadline_s is not None:
+            seq.deadline = self.scheduler.clock() + deadline_s
         self.admission.admitted(seq, tier)
         if self.prefix_cache is not None:  # seeded by revisions, never names (kv/prefix_cache.py)
             entry = self.adapters.resolve(ref) if ref is not None else None  # just acquired: live

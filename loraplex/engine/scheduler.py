@@ -1,10 +1,11 @@
-"""FCFS continuous-batching scheduler with chunked prefill and preemption by recomputation.
+"""Continuous-batching scheduler with chunked prefill and preemption by recomputation.
 
 Works on sequences and block ids only; the model runner turns its plan into tensors. Each step:
 running sequences first (in arrival order; a decoding sequence asks for one row, a sequence
-still prefilling for its next chunk), then waiting sequences in arrival order while the token
-budget, the sequence limit and the KV pool allow. A waiting sequence that does not fit blocks
-the ones behind it (strict FCFS); one whose adapter is still loading is passed over. When a
+still prefilling for its next chunk), then waiting sequences in the admission policy's order
+(engine/policies.py; FCFS: arrival order) while the token budget, the sequence limit and the KV
+pool allow. A waiting sequence that does not fit blocks the ones behind it; one whose adapter is
+still loading is passed over (unless the policy says it blocks: a starved one). When a
 running sequence needs a block and none is free, the latest-arrived running sequence is
 preempted: its blocks are freed and it goes back to the waiting queue, to be recomputed from its
 prompt and generated tokens.
@@ -21,11 +22,14 @@ that carries prefill work anyway admits at once.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as SeqView
 from dataclasses import dataclass
 
 from loraplex.config import SchedulerConfig
+from loraplex.engine.policies import AdmissionPolicy, make_policy
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.prefix_cache import PrefixCache
@@ -67,6 +71,7 @@ class Scheduler:
         admission_batch_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
         prefix: PrefixCache | None = None,
+        policy: AdmissionPolicy | None = None,
     ) -> None:
         self.config = config
         # Seconds from any monotonic origin; the simulator (bench/simulate.py) passes a virtual one.
@@ -80,16 +85,21 @@ class Scheduler:
         self.pool = pool
         self.block_size = block_size
         self.prefix = prefix  # None: no prefix cache
-        self.waiting: list[Sequence] = []  # kept sorted by arrival
+        # The waiting queue and its order (engine/policies.py); FCFS keeps it sorted by arrival.
+        self.policy = policy if policy is not None else make_policy(config, clock)
         self.running: list[Sequence] = []  # kept sorted by arrival
         # Each decoding sequence's `ScheduledChunk(seq, 1, True)`, made once and planned every step
         # it decodes (dropped when the sequence finishes).
         self._decode_chunks: dict[Sequence, ScheduledChunk] = {}
 
+    @property
+    def waiting(self) -> SeqView[Sequence]:
+        return self.policy.waiting
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.waiting_since = self.clock()
-        self._insert_waiting(seq)
+        self.policy.push(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -148,19 +158,23 @@ class Scheduler:
 
         # No admissions in a step that preempted: the pool is short, and the sequence just
         # preempted would otherwise be re-admitted at once to recompute a prefix it loses again.
-        ready, waiting, i = self.ready, self.waiting, 0
+        ready, policy = self.ready, self.policy
         max_seqs = self.config.max_num_seqs
-        if waiting and all_decode and running and self._hold_admissions(budget):
-            return StepPlan(tuple(chunks), tuple(preempted))
+        if all_decode and running and policy.waiting and self._hold_admissions(budget):
+            return self._planned(chunks, preempted, 0)
         # Passing over sequences whose adapter is not resident is bounded, so a long backlog of
         # them does not make every step O(waiting); those behind wait for the loads ahead.
-        pass_over = 4 * max_seqs
-        cached_tokens = 0
-        while not preempted and i < len(waiting) and budget > 0 and len(self.running) < max_seqs:
-            seq = waiting[i]
+        pass_over, skipped, cached_tokens = 4 * max_seqs, 0, 0
+        now = self.clock()
+        candidates = (
+            policy.candidates(now, pass_over + max_seqs) if not preempted and policy.waiting else iter(())
+        )
+        for seq in candidates:
+            if budget <= 0 or len(running) >= max_seqs:
+                break
             if ready is not None and not ready(seq):
-                i += 1
-                if i >= pass_over:
+                skipped += 1
+                if skipped >= pass_over or policy.blocks(seq, now):
                     break
                 continue
             # A waiting sequence holds no blocks and has nothing computed (new, or preempted).
@@ -169,17 +183,26 @@ class Scheduler:
             n = min(seq.num_tokens - start, budget)
             need = self.blocks_for(start + n) - len(hits)
             # Holding a cached hit block takes it off the free count as allocating would.
-            if need + (prefix.num_unheld(hits) if prefix is not None and hits else 0) > self.pool.num_free:
+            if need + (prefix.num_unheld(hits) if prefix is not None and hits else 0) > pool.num_free:
                 break
-            waiting.pop(i)
+            policy.take(seq)
             if prefix is not None:  # the hits are held before allocating, which could evict them
                 prefix.admit(seq, hits)
                 cached_tokens += start
-            seq.block_ids.extend(self.pool.allocate(need))
+            seq.block_ids.extend(pool.allocate(need))
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            running.append(seq)
+            policy.started(seq)
             chunks.append(ScheduledChunk(seq, n, _is_decode(seq, n)))
             budget -= n
+        if hasattr(candidates, "close"):
+            candidates.close()  # a generator policy puts back what it looked at
+        return self._planned(chunks, preempted, cached_tokens)
+
+    def _planned(self, chunks: list[ScheduledChunk], preempted: list[str], cached_tokens: int) -> StepPlan:
+        if self.policy.charges:  # service counted when planned: what fairness is measured in
+            for c in chunks:
+                self.policy.charge(c.seq, c.num_tokens)
         return StepPlan(tuple(chunks), tuple(preempted), cached_tokens)
 
     def _hold_admissions(self, budget: int) -> bool:
@@ -191,7 +214,10 @@ class Scheduler:
         if want <= 0 or len(self.running) >= self.config.max_num_seqs:
             return False
         waiting = self.waiting
-        if self.clock() - min(s.waiting_since for s in waiting[:4]) >= self._admission_max_wait:
+        if (
+            self.clock() - min(s.waiting_since for s in itertools.islice(waiting, 4))
+            >= self._admission_max_wait
+        ):
             return False  # (preempted sequences keep their arrival order, so look past the first)
         tokens = 0
         for seq in waiting:
@@ -202,24 +228,28 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
-        if seq in self.running:  # at most max_num_seqs long
+        was_running = seq in self.running  # at most max_num_seqs long
+        if was_running:
             self.running.remove(seq)
         # Only a waiting sequence can be in the waiting queue: a finishing (running) one skips
         # the scan, which would otherwise cost O(waiting) per finish under a long backlog.
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
+            self.policy.remove(seq)
         self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
+        if was_running:
+            self.policy.stopped(seq)
         self._decode_chunks.pop(seq, None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.policy.stopped(seq)
         self._free_blocks(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         seq.waiting_since = self.clock()
-        self._insert_waiting(seq)
+        self.policy.push(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
         if self.prefix is not None:  # its computed full blocks stay cached after it lets go
@@ -228,12 +258,6 @@ class Scheduler:
         self.pool.free(reversed(seq.block_ids))
         seq.block_ids = []
         seq.num_committed_blocks = 0
-
-    def _insert_waiting(self, seq: Sequence) -> None:
-        pos = len(self.waiting)
-        while pos > 0 and self.waiting[pos - 1].arrival > seq.arrival:
-            pos -= 1
-        self.waiting.insert(pos, seq)
 
 
 def _is_decode(seq: Sequence, n: int) -> bool:

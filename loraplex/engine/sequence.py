@@ -49,6 +49,12 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0
+    # Admission order under the adaptive policy (engine/policies.py): whose service it counts as,
+    # its rank among that tenant's requests (higher first), and when (the scheduler's clock) its
+    # first token is due, if it asks for a deadline.
+    tenant: str = "default"
+    priority: int = 0
+    deadline: float | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -63,6 +63,7 @@ class _AddMany:
     streams: list[_Stream]
     tenant: str | None = None  # resolve `adapter` among what this tenant may use (None: anything)
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    priority: int = 0  # among the tenant's own requests (engine/policies.py)
     done: Future[None] = field(default_factory=Future)
 
 
@@ -115,6 +116,7 @@ class AsyncEngine:
         adapter: str | AdapterRef | None,
         tenant: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> list[asyncio.Queue[OutputDelta]]:
         """Admit requests together in one engine command: every one on the same adapter revision,
         and none of them if one is refused (the engine's ValueError is raised here). The adapter
@@ -122,7 +124,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         streams = [_Stream(loop, asyncio.Queue(), RequestTimes(now, tenant)) for _ in requests]
-        cmd = _AddMany(requests, adapter, streams, tenant, cache_salt)
+        cmd = _AddMany(requests, adapter, streams, tenant, cache_salt, priority)
         self._commands.put(cmd)
         await asyncio.wrap_future(cmd.done)
         return [s.outputs for s in streams]
@@ -195,7 +197,15 @@ class AsyncEngine:
             if isinstance(pinned, str):  # once, at admission: a repointed alias changes no running request
                 pinned = engine.adapters.resolve(pinned, cmd.tenant).ref
             for request_id, prompt, params in cmd.requests:
-                engine.add_request(request_id, prompt, params, pinned, cmd.cache_salt)
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    params,
+                    pinned,
+                    cmd.cache_salt,
+                    tenant=cmd.tenant,
+                    priority=cmd.priority,
+                )
                 added.append(request_id)
                 pinned = engine.output(request_id).adapter  # the first admission pins the revision
         except Exception as err:  # reported to the handler, which maps it to an HTTP error

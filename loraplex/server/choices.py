@@ -31,11 +31,16 @@ async def run_choices(
     adapter: str | None,
     tenant: str | None = None,
     cache_salt: str | None = None,
+    priority: int = 0,
 ) -> list[asyncio.Queue[OutputDelta]]:
     """Admit every choice in one engine command: all or none, and all on one adapter revision, so
     a registration in between cannot split one response across two revisions."""
     return await async_engine.add_many(
-        [(run.request_id(request_id), run.prompt, run.params) for run in runs], adapter, tenant, cache_salt
+        [(run.request_id(request_id), run.prompt, run.params) for run in runs],
+        adapter,
+        tenant,
+        cache_salt,
+        priority,
     )
 
 

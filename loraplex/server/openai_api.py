@@ -199,7 +199,13 @@ async def _respond(
     runs = prepared.runs
     try:
         streams = await run_choices(
-            async_engine, request_id, runs, prepared.adapter, _tenant(request), prepared.cache_salt
+            async_engine,
+            request_id,
+            runs,
+            prepared.adapter,
+            _tenant(request),
+            prepared.cache_salt,
+            prepared.priority,
         )
     except UnknownAdapterError as err:
         raise _not_found(prepared.model, err) from None

@@ -39,6 +39,7 @@ class PreparedRequest:
     include_usage: bool
     chat: bool
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    priority: int = 0  # among the tenant's own requests (engine/policies.py)
 
 
 class RequestPreparer:
@@ -248,7 +249,9 @@ class RequestPreparer:
     ) -> PreparedRequest:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         adapter = None if req.model == self.served_model else req.model
-        return PreparedRequest(req.model, adapter, runs, req.stream, include_usage, chat, req.cache_salt)
+        return PreparedRequest(
+            req.model, adapter, runs, req.stream, include_usage, chat, req.cache_salt, req.priority
+        )
 
 
 def parse_model(body: bytes, model: type[_M], max_json_depth: int) -> _M:

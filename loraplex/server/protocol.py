@@ -66,6 +66,8 @@ class _SamplingFields(BaseModel):
     # Only requests with the same salt share prefix-cache blocks (as vLLM accepts it): a client
     # that wants its prompts unobservable through time to first token sends a secret one.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # Admission order among the tenant's own requests under the adaptive policy (higher first).
+    priority: int = Field(default=0, ge=-1000, le=1000)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

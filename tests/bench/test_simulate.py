@@ -79,5 +79,5 @@ def test_the_fit_lands_on_the_stored_coefficients() -> None:
 def test_smoke_through_the_cli(tmp_path: Path) -> None:
     assert main(["bench", "simulate", "--smoke", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "simulate.json").read_text())
-    assert [p["policy"] for p in report["policies"]] == ["fcfs", "fcfs-batched"]
+    assert [p["policy"] for p in report["policies"]] == ["fcfs", "fcfs-batched", "adaptive"]
     assert (tmp_path / "simulate.md").read_text().startswith("# bench simulate")

@@ -1,0 +1,178 @@
+"""Admission-order policies (engine/policies.py): the adaptive policy's order on the bare scheduler,
+and on a real (tiny) engine, on the CPU, the same per-request outputs as FCFS (a policy changes
+order, never outputs) with cancellation at every phase freeing everything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
+
+from loraplex import LLM, SamplingParams
+from loraplex.config import CacheConfig, EngineConfig, SchedulerConfig
+from loraplex.engine.engine import Engine
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sequence import Sequence
+from loraplex.kv.block_pool import BlockPool
+from loraplex.types import AdapterRef
+
+# --- the order, on the bare scheduler (a virtual clock) -------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _sched(clock: _Clock, **knobs: int | str) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, policy="adaptive", **knobs)  # type: ignore[arg-type]
+    return Scheduler(config, BlockPool(64), 16, clock=clock)
+
+
+def _seq(
+    rid: str, arrival: int, tenant: str = "t", priority: int = 0, adapter: str | None = None
+) -> Sequence:
+    ref = None if adapter is None else AdapterRef(adapter, adapter + "-rev")
+    return Sequence(
+        rid, [1] * 8, SamplingParams(max_tokens=2), ref, arrival, tenant=tenant, priority=priority
+    )
+
+
+def _next(sched: Scheduler) -> str:
+    """Admit one (one slot), finish it, and say which it was."""
+    plan = sched.schedule()
+    assert len(plan.chunks) == 1
+    seq = plan.chunks[0].seq
+    sched.finish(seq)
+    return seq.request_id
+
+
+def test_the_least_served_tenant_goes_first_and_idle_time_banks_no_credit() -> None:
+    clock = _Clock()
+    sched = _sched(clock)
+    for i in range(4):
+        sched.add(_seq(f"a{i}", i, "a"))
+    assert [_next(sched) for _ in range(2)] == ["a0", "a1"]  # a alone: its own order
+    sched.add(_seq("b0", 10, "b"))
+    sched.add(_seq("b1", 11, "b"))
+    # b arrives after a was served twice; lifted to a's counter, it alternates with a rather than
+    # taking every turn until it has "caught up" with service it never asked for.
+    assert [_next(sched) for _ in range(4)] == ["a2", "b0", "a3", "b1"]
+
+
+def test_priority_orders_a_tenants_requests_and_the_starvation_bound_overrides_it() -> None:
+    clock = _Clock()
+    sched = _sched(clock, max_wait_ms=1000)
+    sched.add(_seq("low", 0, priority=0))
+    clock.now = 0.5
+    for i in range(3):
+        sched.add(_seq(f"high{i}", 1 + i, priority=5))
+    assert _next(sched) == "high0"
+    clock.now = 1.2  # "low" has waited past the bound: it goes first, whatever its priority
+    assert _next(sched) == "low"
+
+
+def test_a_stray_adapter_waits_for_company_until_the_window_ends() -> None:
+    clock = _Clock()
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, policy="adaptive", locality_window_ms=100
+    )
+    sched = Scheduler(config, BlockPool(64), 16, clock=clock)
+    sched.add(_seq("hot", 0, adapter="h"))
+    assert [c.seq.request_id for c in sched.schedule().chunks] == ["hot"]
+    sched.add(_seq("stray", 1, adapter="s"))
+    assert [c.seq.request_id for c in sched.schedule().chunks] == ["hot"]  # held: s is not running
+    clock.now = 0.05
+    sched.add(_seq("company", 2, adapter="s"))  # two of s now wait: admitted together
+    assert {c.seq.request_id for c in sched.schedule().chunks} == {"hot", "stray", "company"}
+    sched.add(_seq("late", 3, adapter="x"))
+    clock.now = 0.2  # past the window: mixed in alone
+    assert "late" in {c.seq.request_id for c in sched.schedule().chunks}
+
+
+# --- on the engine -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root: Path = tmp_path_factory.mktemp("policies")
+    hf = build_hf_model("llama", seed=9)
+    model_dir = save_hf_model(hf, root / "base")
+    paths = [
+        make_peft_adapter(hf, root / f"a{i}", r=8, target_modules=["q_proj", "v_proj"], seed=500 + i)
+        for i in range(3)
+    ]
+    return {"model_dir": model_dir, "paths": paths}
+
+
+def _engine(env: dict, policy: str) -> Engine:
+    # 3 sequences and 48 tokens a step: most requests wait, so the two policies order them differently.
+    sched = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=48, policy=policy, locality_window_ms=5)
+    config = EngineConfig(model_dir=str(env["model_dir"]), cache=CacheConfig(num_blocks=64), scheduler=sched)
+    llm = LLM.from_config(config)
+    for i, path in enumerate(env["paths"]):
+        llm.register_adapter(f"a{i}", path)
+    return llm.engine
+
+
+def _requests() -> list[tuple[str, list[int], str | None, str, int, SamplingParams]]:
+    out = []
+    for i in range(14):
+        prompt = [(13 * i + 5 * j) % 90 + 3 for j in range(3 + (7 * i) % 29)]
+        adapter = None if i % 4 == 3 else f"a{i % 3}"
+        # greedy, and seeded sampling (a per-request generator: order-independent by design)
+        params = SamplingParams(
+            max_tokens=4 + i % 5, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True
+        )
+        out.append((f"r{i}", prompt, adapter, "ab"[i % 3 == 0], i % 3, params))
+    return out
+
+
+def _run(e: Engine, abort_at: tuple[int, ...] = ()) -> tuple[dict[str, list[int]], set[str]]:
+    """Run every request; at each step in `abort_at`, cancel one in the next phase of
+    (queued, prefilling, decoding) that has one."""
+    for rid, prompt, adapter, tenant, priority, params in _requests():
+        e.add_request(rid, prompt, params, adapter, tenant=tenant, priority=priority)
+    phases = [
+        lambda s: s in e.scheduler.waiting,
+        lambda s: s in e.scheduler.running and not s.output_token_ids,
+        lambda s: s in e.scheduler.running and bool(s.output_token_ids),
+    ]
+    aborted: set[str] = set()
+    step = 0
+    while e.has_unfinished():
+        if step in abort_at and phases:
+            live = [s for s in e._seqs.values() if not s.is_finished]
+            for i, phase in enumerate(phases):
+                victim = next((s for s in live if phase(s)), None)
+                if victim is not None:
+                    assert e.abort(victim.request_id)
+                    aborted.add(victim.request_id)
+                    del phases[i]
+                    break
+        e.step()
+        e.check_integrity()
+        step += 1
+    return {rid: e.output(rid).token_ids for rid, *_ in _requests()}, aborted
+
+
+def test_the_adaptive_policy_changes_the_order_never_the_outputs(env: dict) -> None:
+    fcfs, _ = _run(_engine(env, "fcfs"))
+    assert _run(_engine(env, "adaptive"))[0] == fcfs
+
+
+def test_cancelling_at_every_phase_frees_everything(env: dict) -> None:
+    e = _engine(env, "adaptive")
+    outs, aborted = _run(e, abort_at=(0, 1, 2, 3, 4, 5, 6, 7, 8))
+    assert len(aborted) == 3  # one queued, one prefilling, one decoding
+    reference, _ = _run(_engine(env, "fcfs"))
+    for rid, tokens in outs.items():
+        if rid not in aborted:
+            assert tokens == reference[rid], rid
+    # nothing waits or runs, and check_integrity (every step) found no block or adapter hold
+    # but the live requests'
+    assert not e.scheduler.waiting and not e.scheduler.running
