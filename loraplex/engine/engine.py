@@ -227,6 +227,7 @@ class Engine:
             seq.tenant = tenant
         if deadline_s is not None:
             seq.deadline = self.scheduler.clock() + deadline_s
+            seq.deadline_s = deadline_s
         self.admission.admitted(seq, tier)
         if self.prefix_cache is not None:  # seeded by revisions, never names (kv/prefix_cache.py)
             entry = self.adapters.resolve(ref) if ref is not None else None  # just acquired: live

@@ -55,6 +55,7 @@ class Sequence:
     tenant: str = "default"
     priority: int = 0
     deadline: float | None = None
+    deadline_s: float | None = None  # the same deadline as asked for: seconds after arrival
 
     @property
     def prompt_len(self) -> int:

@@ -72,8 +72,9 @@ def deadline_of(seq: Sequence) -> float | None:
 
     The hook for the scheduler's deadlines: a request counts toward the deadline series when its
     sequence (or its sampling parameters) carries `deadline_s`, with the simulator's meaning
-    (`bench/workloads.py`): the first token is due that many seconds after arrival. Nothing in the
-    request API sets it yet, so until it does these series stay at zero.
+    (`bench/workloads.py`): the first token is due that many seconds after arrival.
+    `Engine.add_request(deadline_s=...)` sets it; the HTTP API takes no deadline yet, so on a
+    server these series stay at zero.
     """
     for holder in (seq, seq.params):
         value = getattr(holder, "deadline_s", None)

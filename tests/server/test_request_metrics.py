@@ -75,7 +75,19 @@ def test_tenants_are_capped_deadlines_counted_and_a_tenant_sees_only_itself() ->
 
 def test_the_deadline_hook_reads_the_sequence_then_its_params() -> None:
     params = SamplingParams()
-    assert deadline_of(SimpleNamespace(params=params)) is None  # type: ignore[arg-type]
-    assert deadline_of(SimpleNamespace(params=params, deadline_s=2)) == 2.0  # type: ignore[arg-type]
+    assert deadline_of(SimpleNamespace(params=params)) is None
+    assert deadline_of(SimpleNamespace(params=params, deadline_s=2)) == 2.0
     on_params = SimpleNamespace(params=SimpleNamespace(deadline_s=0.5))
-    assert deadline_of(on_params) == 0.5  # type: ignore[arg-type]
+    assert deadline_of(on_params) == 0.5
+
+
+def test_the_engine_puts_the_asked_deadline_where_the_metrics_read_it() -> None:
+    from loraplex.config import EngineConfig
+    from loraplex.demo import DEMO_MODEL_DIR
+    from loraplex.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL_DIR)))
+    engine.add_request("d", "hello=", SamplingParams(max_tokens=2), deadline_s=0.25)
+    engine.add_request("n", "hello=", SamplingParams(max_tokens=2))
+    assert deadline_of(engine.sequence("d")) == 0.25
+    assert deadline_of(engine.sequence("n")) is None
