@@ -42,9 +42,9 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT)]  # run from a checkout, installed or not
 
+from loraplex.lora.spec_keys import as_on_cuda  # noqa: E402  (after the path above)
+
 H200_SMS = 132
-# the device-dependent constexprs of the shipped decode tiling's kernels, as a CUDA device gets them
-CUDA_CONSTEXPRS = {"USE_PDL": 1, "FOR_LOOP": True, "TABLE_ASM": True}
 
 LLAMA3_8B = {
     "qkv": (4096, (4096, 1024, 1024)),
@@ -79,7 +79,7 @@ class Recorder:
 
         def run(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
             if rec.emulate:
-                kwargs = rec._as_on_cuda(kwargs)
+                kwargs = as_on_cuda(kwargs)  # the device-dependent constexprs a CUDA device gets
                 kernel = rec._compile_sm90(fn, args, kwargs)
             else:
                 kernel = original(fn, *args, grid=grid, warmup=warmup, **kwargs)
@@ -91,16 +91,6 @@ class Recorder:
             yield
         finally:
             JITFunction.run = original  # type: ignore[method-assign]
-
-    @staticmethod
-    def _as_on_cuda(kwargs: dict[str, Any]) -> dict[str, Any]:
-        kwargs = dict(kwargs)
-        for name, value in CUDA_CONSTEXPRS.items():
-            if name in kwargs:
-                kwargs[name] = value
-        if "USE_PDL" in kwargs:
-            kwargs["launch_pdl"] = True
-        return kwargs
 
     def _compile_sm90(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         """What `JITFunction.run` compiles for these arguments on an sm_90 device."""
