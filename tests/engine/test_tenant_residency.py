@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
+from engine.test_tiered_residency import _drive, _reference
 from loraplex import LLM, SamplingParams
 from loraplex.adapters.eviction import TenantLimits
 from loraplex.adapters.peft_import import import_peft_adapter
@@ -66,28 +67,8 @@ def _prompt(i: int) -> list[int]:
 
 
 def _run(e: Engine, requests: list[tuple[str, list[int], str]], per_step: int, check=None) -> dict:  # noqa: ANN001
-    pending, steps = list(requests), 0
-    while pending or e.has_unfinished():
-        for rid, prompt, adapter in pending[:per_step]:
-            e.add_request(rid, prompt, GREEDY, adapter)
-        pending = pending[per_step:]
-        e.step()
-        e.check_integrity()
-        if check is not None:
-            check()
-        steps += 1
-        if not e.scheduler.running and e.tiers.busy:
-            time.sleep(0.001)
-        assert steps < 20_000, "no progress"
-    outs = {rid: e.output(rid).token_ids for rid, _, _ in requests}
-    for rid, _, _ in requests:
-        e.release(rid)
-    return outs
-
-
-def _reference(env: dict, requests: list[tuple[str, list[int], str]]) -> dict:
-    outs = env["ref"].generate([p for _, p, _ in requests], GREEDY, [a for _, _, a in requests])
-    return {rid: o.token_ids for (rid, _, _), o in zip(requests, outs, strict=True)}
+    on_step = None if check is None else lambda _step: check()
+    return _drive(e, list(requests), per_step, on_step, GREEDY)
 
 
 def _flood(env: dict, e: Engine) -> tuple[dict, bool]:
@@ -104,7 +85,7 @@ def _flood(env: dict, e: Engine) -> tuple[dict, bool]:
 
     flood = [(f"f{i}", _prompt(i), f"a{1 + (i * 3) % (N - 1)}") for i in range(24)]
     outs.update(_run(e, flood, per_step=2, check=check))
-    assert outs == _reference(env, first + flood)
+    assert outs == _reference(env, first + flood, GREEDY)
     return outs, kept[0]
 
 
@@ -164,7 +145,8 @@ def test_over_the_cold_load_rate_a_request_waits_and_others_run(env: dict) -> No
             ("s", _prompt(0), "a0"),
             ("b", _prompt(3), None),
         ],
-    )  # type: ignore[list-item]
+        GREEDY,
+    )
     assert got == want
 
 
@@ -185,7 +167,7 @@ def test_over_the_cold_load_rate_a_request_is_refused_when_limits_say_so(env: di
 def test_residency_measurements_move_under_pressure(env: dict) -> None:
     e = _engine(env, room=2, host_bytes=3 * env["footprint"], limits={})
     requests = [(f"m{i}", _prompt(i), f"a{(i * 4) % N}") for i in range(30)]
-    assert _run(e, requests, per_step=3) == _reference(env, requests)
+    assert _run(e, requests, per_step=3) == _reference(env, requests, GREEDY)
     stats = e.tiers.stats()
     assert stats["evictions"] > 0 and stats["stalled_requests"] > 0
     assert stats["host_to_device_bytes"] > 0 and stats["stall_seconds"] > 0

@@ -65,8 +65,10 @@ def _tiered(env: dict, room: int, n: int, store: bool = True, host_bytes: int | 
     return e
 
 
-def _reference(env: dict, requests: list[tuple[str, list[int], str | None]]) -> dict[str, list[int]]:
-    outs = env["ref"].generate([p for _, p, _ in requests], GREEDY, [a for _, _, a in requests])
+def _reference(
+    env: dict, requests: list[tuple[str, list[int], str | None]], params: SamplingParams = GREEDY
+) -> dict[str, list[int]]:
+    outs = env["ref"].generate([p for _, p, _ in requests], params, [a for _, _, a in requests])
     return {rid: o.token_ids for (rid, _, _), o in zip(requests, outs, strict=True)}
 
 
@@ -75,13 +77,14 @@ def _drive(
     requests: list[tuple[str, list[int], str | None]],
     per_step: int,
     on_step: Callable[[int], None] | None = None,
+    params: SamplingParams = GREEDY,
 ) -> dict[str, list[int]]:
     """Add `per_step` requests before each step (staggered arrivals), step until all finish."""
     pending = list(requests)
     steps = 0
     while pending or e.has_unfinished():
         for rid, prompt, adapter in pending[:per_step]:
-            e.add_request(rid, prompt, GREEDY, adapter)
+            e.add_request(rid, prompt, params, adapter)
         pending = pending[per_step:]
         e.step()
         e.check_integrity()
