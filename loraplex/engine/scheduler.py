@@ -160,15 +160,13 @@ class Scheduler:
         # preempted would otherwise be re-admitted at once to recompute a prefix it loses again.
         ready, policy = self.ready, self.policy
         max_seqs = self.config.max_num_seqs
-        if all_decode and running and policy.waiting and self._hold_admissions(budget):
+        if preempted or not policy.waiting or (all_decode and running and self._hold_admissions(budget)):
             return self._planned(chunks, preempted, 0)
         # Passing over sequences whose adapter is not resident is bounded, so a long backlog of
         # them does not make every step O(waiting); those behind wait for the loads ahead.
         pass_over, skipped, cached_tokens = 4 * max_seqs, 0, 0
         now = self.clock()
-        candidates = (
-            policy.candidates(now, pass_over + max_seqs) if not preempted and policy.waiting else iter(())
-        )
+        candidates = policy.candidates(now, pass_over + max_seqs)
         for seq in candidates:
             if budget <= 0 or len(running) >= max_seqs:
                 break
