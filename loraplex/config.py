@@ -272,16 +272,21 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class GraphConfig:
-    # Decode steps of up to this many sequences replay CUDA graphs (captured per batch-size bucket
-    # on first use); 0 runs every step eagerly. Only on CUDA.
+    # Steps of up to this many sequences replay CUDA graphs (decode steps per batch-size bucket,
+    # steps with prefill chunks per token bucket); 0 runs every step eagerly. Only on CUDA.
     cuda_graph_max_batch: int = 256
-    # Capture every decode graph (each bucket, base-only and every LoRA shape up to the maximum
-    # rank) when the engine starts, so none is captured while it serves; False: on first use.
+    # Steps with prefill chunks of up to this many rows replay graphs (None: the scheduler's
+    # token budget; 0: only pure decode steps do).
+    cuda_graph_max_tokens: int | None = None
+    # Capture every graph (each shape, base-only and every LoRA shape up to the maximum rank)
+    # when the engine starts, so none is captured while it serves; False: on first use.
     capture_at_startup: bool = True
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_batch < 0:
             raise ValueError("cuda_graph_max_batch must be >= 0 (0 turns CUDA graphs off)")
+        if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 0:
+            raise ValueError("cuda_graph_max_tokens must be >= 0 (0: only decode steps replay graphs)")
 
 
 @dataclass(frozen=True)

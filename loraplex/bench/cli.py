@@ -67,6 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
             "random_shape": args.random_shape,
             "workdir": args.workdir,
             "max_num_seqs": args.max_num_seqs,
+            "graph_max_tokens": args.graph_max_tokens,
+            "admission_batch_tokens": args.admission_batch_tokens,
             "url": args.url,
             "api_key": args.api_key,
         }
@@ -143,6 +145,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--random-shape", choices=("llama3-8b", "tiny"), help="shape of --random-layers weights")
     s.add_argument("--workdir", help="where --hf-compare writes random weights as files (reused)")
     s.add_argument("--max-num-seqs", type=int, help="engine batch limit (default 64)")
+    s.add_argument(
+        "--graph-max-tokens",
+        type=int,
+        help="rows of the largest step with prefill chunks that replays a CUDA graph (0: decode steps only)",
+    )
+    s.add_argument(
+        "--admission-batch-tokens", type=int, help="prompt tokens a decode-only step waits for before admitting"
+    )
     s.add_argument("--no-base-compare", action="store_true", help="skip the same workload base-only")
     s.add_argument(
         "--hf-compare",

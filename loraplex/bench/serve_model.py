@@ -24,6 +24,9 @@ class ServeBenchArgs:
     workdir: str = "bench-results/serve-checkpoint"  # random weights as files, for --hf-compare
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # engine settings worth comparing in one run (None: the engine's default)
+    graph_max_tokens: int | None = None  # rows of the largest step with prefill that replays a graph
+    admission_batch_tokens: int | None = None
     base_compare: bool = True
     url: str | None = None  # benchmark a running server instead
     api_key: str | None = None
@@ -76,7 +79,7 @@ def bench_tokenizer(vocab_size: int) -> Any:  # noqa: ANN401
 def _sized_config(args: ServeBenchArgs, workload: Workload, model_dir: str, dtype: str, sched: Any) -> Any:  # noqa: ANN401
     """An engine config whose context fits the workload's longest request and whose LoRA rank
     limit fits its adapters."""
-    from loraplex.config import CacheConfig, EngineConfig, LoRAConfig
+    from loraplex.config import CacheConfig, EngineConfig, GraphConfig, LoRAConfig
 
     longest = max(r.prompt_len + r.output_len for r in workload.requests)
     return EngineConfig(
@@ -86,6 +89,7 @@ def _sized_config(args: ServeBenchArgs, workload: Workload, model_dir: str, dtyp
         cache=CacheConfig(block_size=16, max_model_len=longest + 1),
         lora=LoRAConfig(max_rank=max([64, *workload.adapter_ranks])),
         scheduler=sched,
+        graphs=GraphConfig(cuda_graph_max_tokens=args.graph_max_tokens),
     )
 
 
@@ -94,17 +98,21 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
     that came from one (the transformers + PEFT baseline loads those)."""
     import torch
 
-    from loraplex.config import EngineConfig, SchedulerConfig
+    from loraplex.config import EngineConfig, GraphConfig, SchedulerConfig
     from loraplex.engine.engine import Engine
 
     spec = args.workload
     sched = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        admission_batch_tokens=args.admission_batch_tokens,
     )
+    graphs = GraphConfig(cuda_graph_max_tokens=args.graph_max_tokens)
     if args.smoke or (args.model is None and args.random_layers is None):
         from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
 
-        engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=args.device, scheduler=sched))
+        config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=args.device, scheduler=sched, graphs=graphs)
+        engine = Engine(config)
         demo = list(DEMO_ADAPTERS.items())
         names = []
         for i in range(spec.num_adapters):
@@ -113,7 +121,8 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
         return engine, names, {name: str(path) for name, path in demo}
     if args.model is not None:
         dtype = "float32" if args.device == "cpu" else "bfloat16"
-        engine = Engine(EngineConfig(model_dir=args.model, device=args.device, dtype=dtype, scheduler=sched))
+        config = EngineConfig(args.model, device=args.device, dtype=dtype, scheduler=sched, graphs=graphs)
+        engine = Engine(config)
     else:
         from loraplex.bench.engine import llama3_8b_hf_dict, random_model, tiny_hf_dict
         from loraplex.config import ModelConfig

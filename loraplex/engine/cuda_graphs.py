@@ -1,22 +1,25 @@
-"""Decode steps as CUDA-graph replays, reading the live token -> adapter mapping on every replay.
+"""Decode and mixed steps as CUDA-graph replays, reading the live token -> adapter mapping on every
+replay.
 
-A pure decode step (every sequence adds one token) of at most `GraphConfig.cuda_graph_max_batch`
-sequences runs as the replay of a graph captured for its batch-size bucket. The step's inputs
-(token ids, positions, KV slots, context lengths, block tables) and its LoRA metadata (row order,
-segment offsets, segment slots) are written into the graph's static buffers with two host-to-device
-copies, then the graph replays. Only launch shapes are baked into a graph, never the mapping:
+A pure decode step (every sequence adds one token) of at most `max_batch` sequences replays the
+graph of its batch-size bucket; a step with prefill chunks (beside decode rows or not) of at most
+`max_tokens` rows and `max_batch` sequences replays the graph of its token bucket (the shapes and
+buffers: `static_inputs.py`). The step's inputs and its LoRA metadata (row order, segment offsets,
+segment slots) are written into the graph's static buffers with two host-to-device copies, then
+the graph replays. Only launch shapes are baked into a graph, never the mapping:
 
-- the batch is padded up to its bucket; a padding row is token 0 at position 0 with no KV write,
-  no context and no adapter;
+- the step is padded up to its shape (`static_inputs.py`);
 - the LoRA part of the inputs is the LoRA package's (`lora/graph_inputs.py`): it packs the
   step's rows into its share of the buffers and names the LoRA part of the graph key (segment
-  capacity, rank tile, device-table epoch), so a graph is keyed by (bucket, that part) and
-  captured on first use;
+  capacity, rank tile, device-table epoch), so a graph is keyed by (shape, that part) and
+  captured at startup (`warm_up`) or on first use;
 - the LoRA backend updates its device tables in place when adapters load or are replaced, so a
   replay sees the new weights behind a slot; when the tables must be reallocated (their epoch
   changes), graphs of older epochs are dropped and recaptured.
 
-`StaticDecodeRunner(capture=False)` runs the same static-buffer path eagerly: that is how the CPU
+Steps the graphs do not take run eagerly: prompt logprobs (every prompt row's logits), captured
+hidden states, more rows or sequences than the graphs hold, block tables past `max_model_len`.
+`StaticStepRunner(capture=False)` runs the same static-buffer path eagerly: that is how the CPU
 tests check the buffers, padding and segment cutting; capture and replay need CUDA.
 """
 
@@ -24,95 +27,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from loraplex.adapters.residency import StepSlots
 from loraplex.engine.scheduler import StepPlan
+from loraplex.engine.sequence import Sequence
+from loraplex.engine.static_inputs import StaticInputs, StepShape, batch_bucket, token_bucket, token_buckets
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.layers.attention_metadata import AttentionMetadata
 from loraplex.lora.backend import LoRABackend
-from loraplex.lora.graph_inputs import LoRAGraphInputs, LoRAGraphKey
+from loraplex.lora.graph_inputs import LoRAGraphKey
 from loraplex.lora.metadata import LoRABatchMetadata
 from loraplex.lora.step import LoRAContext
 from loraplex.lora.weights import LoRASlotTable
 from loraplex.model.llama import LlamaFamilyModel
 
-_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-
-
-def batch_bucket(n: int, max_batch: int) -> int | None:
-    """The padded batch size a graph is captured for (None: too large for graphs)."""
-    if n < 1 or n > max_batch:
-        return None
-    for b in _BUCKETS:
-        if b >= n:
-            return min(b, max_batch)
-    return min(-(-n // 64) * 64, max_batch)  # past the table: multiples of 64
+__all__ = ["GraphKey", "StaticStepRunner", "StepShape", "batch_bucket", "token_bucket"]
 
 
 @dataclass(frozen=True)
 class GraphKey:
-    batch: int
+    shape: StepShape
     lora: LoRAGraphKey | None  # None: no LoRA rows in the step
 
-
-class _StaticInputs:
-    """Device buffers of one bucket (plus pinned host twins), and the metadata views over them.
-
-    int64 buffer: ids [B] | positions [B] | KV slots [B] | (a pad word for odd B) | the LoRA
-    inputs' words; int32 buffer:
-    context lens [B] | query_start [B + 1] | block table [B, W].
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        width: int,
-        device: torch.device,
-        vocab: int,
-        lora_table: LoRASlotTable,
-        lora_backend: LoRABackend,
-    ) -> None:
-        b = batch
-        self.batch, self.width = b, width
-        pin = device.type == "cuda"
-        lora_at = 3 * b + (b & 1)  # an even word: the LoRA inputs' views stay 16-byte aligned
-        self.host64 = torch.zeros(lora_at + LoRAGraphInputs.words(b), dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(2 * b + 1 + b * width, dtype=torch.int32, pin_memory=pin)
-        self.h64 = self.host64.numpy()
-        self.h32 = self.host32.numpy()
-        self.h32[b : 2 * b + 1] = np.arange(b + 1)  # one query row per sequence, always
-        self.table = self.h32[2 * b + 1 :].reshape(b, width)
-        self.dev64 = self.host64.to(device)
-        self.dev32 = self.host32.to(device)
-        d64, d32 = self.dev64, self.dev32
-        self.ids = d64[:b]
-        self.attn = AttentionMetadata(
-            positions=d64[b : 2 * b],
-            slot_mapping=d64[2 * b : 3 * b],
-            query_start=tuple(range(b + 1)),
-            context_lens=(0,) * b,
-            kv_indices=(),
-            block_tables=(),
-            block_table=d32[2 * b + 1 :].view(b, width),
-            context_lens_t=d32[:b],
-            query_start_t=d32[b : 2 * b + 1],
-            max_query_len=1,
-            max_context_len=0,  # set per graph: the bound its decode launch is sized for
-            num_decode_seqs=b,
-            static=True,
-        )
-        self.lora = LoRAGraphInputs(b, self.h64[lora_at:], d64[lora_at:], lora_table, lora_backend)
-        # Float32 logits [B, V], the output of every graph of this bucket. One per graph would
-        # cost B * V * 4 bytes each (33 MB at B = 64 for a 128k vocabulary, 131 MB at B = 256)
-        # for every LoRA segment capacity and rank tile the bucket meets, after the KV cache was
-        # sized.
-        self.logits = torch.empty(b, vocab, dtype=torch.float32, device=device)
-
-    def upload(self) -> None:
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
+    @property
+    def batch(self) -> int:  # rows of the shape (the batch size of a decode shape)
+        return self.shape.rows
 
 
 @dataclass
@@ -120,12 +60,19 @@ class _Captured:
     attn: AttentionMetadata
     lora_meta: LoRABatchMetadata | None
     graph: torch.cuda.CUDAGraph | None  # None: eager (capture=False)
-    logits: torch.Tensor | None  # the graph's output: its bucket's static [B, V] float32 buffer
+    logits: torch.Tensor | None  # the graph's output: a view of the shared [S, V] float32 buffer
 
 
-class StaticDecodeRunner:
-    """Runs pure decode steps on static buffers: replays of CUDA graphs (`capture=True`, CUDA
-    only) or the same forward eagerly (`capture=False`)."""
+@dataclass(frozen=True)
+class StaticRun:
+    logits: torch.Tensor  # [n_sample, V] float32, a view of the graph's output: read it before the next step
+    sample_chunks: tuple[int, ...]  # the chunk of each logits row
+    num_adapters: int  # distinct adapter slots among the step's rows
+
+
+class StaticStepRunner:
+    """Runs decode and mixed steps on static buffers: replays of CUDA graphs (`capture=True`,
+    CUDA only) or the same forward eagerly (`capture=False`). `max_tokens` 0: decode steps only."""
 
     def __init__(
         self,
@@ -137,6 +84,7 @@ class StaticDecodeRunner:
         max_batch: int,
         max_model_len: int,
         capture: bool,
+        max_tokens: int = 0,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -146,43 +94,70 @@ class StaticDecodeRunner:
         self.lora_backend = lora_backend
         self.device = device
         self.max_batch = max_batch
+        self.max_tokens = max_tokens
         self.max_model_len = max_model_len
         self.capture = capture
         self.width = -(-max_model_len // kv.block_size)
         self.replays = 0  # steps run on static buffers (graph replays when capturing)
+        self.mixed_replays = 0  # of which mixed steps
         self.captures = 0
-        self._inputs: dict[int, _StaticInputs] = {}
+        self._inputs: dict[StepShape, StaticInputs] = {}
         self._graphs: dict[GraphKey, _Captured] = {}
+        # float32 logits [S, V] per sequence count, shared by every graph of that many sequences
+        self._logits: dict[int, torch.Tensor] = {}
         self._epoch: int | None = None  # the LoRA device tables' epoch of the LoRA graphs kept
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._tile_rows = self._prefill_tile_rows()
 
-    def can_run(self, plan: StepPlan) -> bool:
-        if batch_bucket(len(plan.chunks), self.max_batch) is None:
-            return False
+    def shape_for(self, plan: StepPlan) -> StepShape | None:
+        """The captured shape that runs this step, or None (eager)."""
+        chunks = plan.chunks
         width = self.width  # a block table longer than the static one cannot be written
-        return all(c.num_tokens == 1 and c.completes and len(c.seq.block_ids) <= width for c in plan.chunks)
+        if any(len(c.seq.block_ids) > width for c in chunks):
+            return None
+        if all(c.num_tokens == 1 and c.completes for c in chunks):
+            b = batch_bucket(len(chunks), self.max_batch)
+            if b is not None:
+                return StepShape.decode(b)
+        rows = token_bucket(plan.num_rows, self.max_tokens) if self.max_tokens else None
+        if rows is None:
+            return None
+        shape = StepShape.mixed_for(rows, self.max_batch)
+        if len(chunks) > shape.seqs or any(_scores_prompt(c.seq) for c in chunks):
+            return None  # prompt logprobs read every prompt row's logits: eager
+        return shape
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, slots: StepSlots) -> tuple[torch.Tensor, int]:
-        """Logits [n, V] float32 of the step's n sequences (a view of the graph's output: read it
-        before the next step), and the number of distinct adapters in the step."""
+    def run(self, plan: StepPlan, slots: StepSlots, shape: StepShape | None = None) -> StaticRun:
+        """The step on the static buffers of `shape` (by default `shape_for(plan)`, which must
+        not be None)."""
+        shape = shape or self.shape_for(plan)
+        assert shape is not None, "a step the graphs do not take"
         chunks = plan.chunks
-        n = len(chunks)
-        b = batch_bucket(n, self.max_batch)
-        assert b is not None
-        inputs = self._inputs_for(b)
-        lora_key, distinct = inputs.lora.pack(slots.slots)
+        inputs = self._inputs_for(shape)
+        bs = self.kv.block_size
+        if shape.mixed:
+            runs = inputs.fill_mixed(chunks, slots.slots, bs)
+            lora_key, distinct = inputs.lora.pack_runs(runs)
+            sample_chunks = tuple(i for i, c in enumerate(chunks) if c.completes)
+        else:
+            inputs.fill_decode(chunks, bs)
+            lora_key, distinct = inputs.lora.pack(slots.slots)
+            sample_chunks = tuple(range(len(chunks)))
         if lora_key is not None and lora_key.epoch != self._epoch:
             # the device tables were reallocated: graphs of the older epoch read freed ones
             self._graphs = {k: g for k, g in self._graphs.items() if k.lora is None}
             self._epoch = lora_key.epoch
-        key = GraphKey(b, lora_key)
+        key = GraphKey(shape, lora_key)
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._record(key, inputs)
-            if captured.graph is not None and lora_key is not None:
-                inputs.lora.pack(slots.slots)  # the capture recorded with an all-padding step
-        self._fill(inputs, chunks, n)
+            if captured.graph is not None:  # the capture recorded an all-padding step: write ours again
+                if shape.mixed:
+                    inputs.lora.pack_runs(inputs.fill_mixed(chunks, slots.slots, bs))
+                else:
+                    inputs.fill_decode(chunks, bs)
+                    inputs.lora.pack(slots.slots)
         inputs.upload()
         if captured.graph is not None:
             captured.graph.replay()
@@ -190,19 +165,27 @@ class StaticDecodeRunner:
         else:
             logits = self._forward(inputs, captured)
         self.replays += 1
+        self.mixed_replays += shape.mixed
         assert logits is not None
-        return logits[:n], distinct
+        return StaticRun(logits[: len(sample_chunks)], sample_chunks, distinct)
+
+    def shapes(self) -> list[StepShape]:
+        """Every shape a step can take: the decode buckets, then the token buckets."""
+        decode = {b for n in range(1, self.max_batch + 1) if (b := batch_bucket(n, self.max_batch))}
+        shapes = [StepShape.decode(b) for b in sorted(decode)]
+        if self.max_tokens:
+            shapes += [StepShape.mixed_for(r, self.max_batch) for r in token_buckets(self.max_tokens)]
+        return shapes
 
     def warm_up(self, max_rank: int, progress: bool = False) -> int:
-        """Capture (or, without capture, record) every graph a decode step can need — each
-        bucket, base-only and every LoRA key for adapters of rank up to `max_rank` — so no
-        capture lands on the serving path while the LoRA tables keep their epoch. Returns the
-        number of graphs added."""
-        buckets = sorted({b for n in range(1, self.max_batch + 1) if (b := batch_bucket(n, self.max_batch))})
+        """Capture (or, without capture, record) every graph a step can need — each shape,
+        base-only and every LoRA key for adapters of rank up to `max_rank` — so no capture lands
+        on the serving path while the LoRA tables keep their epoch. Returns the number of graphs
+        added."""
         keys = []
-        for b in buckets:
-            keys.append(GraphKey(b, None))
-            keys += [GraphKey(b, lora) for lora in self._inputs_for(b).lora.keys(max_rank)]
+        for shape in self.shapes():
+            keys.append(GraphKey(shape, None))
+            keys += [GraphKey(shape, lora) for lora in self._inputs_for(shape).lora.keys(max_rank)]
         todo = [k for k in keys if k not in self._graphs]
         if todo and todo[-1].lora is not None:
             self._epoch = todo[-1].lora.epoch
@@ -210,52 +193,49 @@ class StaticDecodeRunner:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(todo), desc="capturing decode graphs", unit="graph")
+            bar = tqdm(total=len(todo), desc="capturing CUDA graphs", unit="graph")
         for key in todo:
-            self._record(key, self._inputs_for(key.batch))
+            self._record(key, self._inputs_for(key.shape))
             if bar is not None:
                 bar.update()
         if bar is not None:
             bar.close()
         return len(todo)
 
-    # --- host side ------------------------------------------------------------------------------
-
-    def _fill(self, inputs: _StaticInputs, chunks: tuple, n: int) -> None:
-        b, bs = inputs.batch, self.kv.block_size
-        h64, h32, table = inputs.h64, inputs.h32, inputs.table
-        for i, chunk in enumerate(chunks):
-            seq = chunk.seq
-            pos = seq.num_computed
-            blocks = seq.block_ids
-            h64[i] = seq.token_at(pos)
-            h64[b + i] = pos
-            h64[2 * b + i] = blocks[pos // bs] * bs + pos % bs
-            h32[i] = pos + 1
-            table[i, : len(blocks)] = blocks
-        # padding rows: token 0 at position 0, no KV write, no context (never read: no keys)
-        h64[n:b] = 0
-        h64[b + n : 2 * b] = 0
-        h64[2 * b + n : 3 * b] = -1
-        h32[n:b] = 0
-
     # --- device side ----------------------------------------------------------------------------
 
-    def _inputs_for(self, b: int) -> _StaticInputs:
-        if b not in self._inputs:
-            vocab = self.model.config.vocab_size
-            lora = (self.lora_table, self.lora_backend)
-            self._inputs[b] = _StaticInputs(b, self.width, self.device, vocab, *lora)
-        return self._inputs[b]
+    def _prefill_tile_rows(self) -> int:
+        """Rows per tile of the prefill launch the mixed graphs' tile maps are cut for."""
+        if self.device.type != "cuda":
+            return 64  # the torch reference reads no tile map
+        from loraplex.layers.attention_triton import tiling_for
 
-    def _forward(self, inputs: _StaticInputs, captured: _Captured) -> torch.Tensor:
+        return tiling_for(self.model.config.head_dim).prefill_block_m
+
+    def _inputs_for(self, shape: StepShape) -> StaticInputs:
+        if shape not in self._inputs:
+            lora = (self.lora_table, self.lora_backend)
+            self._inputs[shape] = StaticInputs(shape, self.width, self.device, *lora, self._tile_rows)
+        return self._inputs[shape]
+
+    def _logits_for(self, seqs: int) -> torch.Tensor:
+        # One output per graph would cost S * V * 4 bytes each (33 MB at S = 64 for a 128k
+        # vocabulary) for every LoRA shape a bucket meets, after the KV cache was sized.
+        if seqs not in self._logits:
+            vocab = self.model.config.vocab_size
+            self._logits[seqs] = torch.empty(seqs, vocab, dtype=torch.float32, device=self.device)
+        return self._logits[seqs]
+
+    def _forward(self, inputs: StaticInputs, captured: _Captured) -> torch.Tensor:
         meta = captured.lora_meta
         lora = None if meta is None else LoRAContext.begin(meta, self.lora_table, self.lora_backend)
         hidden = self.model(inputs.ids, captured.attn, self.kv.k, self.kv.v, lora)
-        # the float32 conversion, into the bucket's shared output buffer
-        return inputs.logits.copy_(self.model.logits(hidden))
+        if inputs.sample_rows is not None:
+            hidden = hidden.index_select(0, inputs.sample_rows)
+        # the float32 conversion, into the shared output buffer
+        return self._logits_for(inputs.shape.seqs).copy_(self.model.logits(hidden))
 
-    def _record(self, key: GraphKey, inputs: _StaticInputs) -> _Captured:
+    def _record(self, key: GraphKey, inputs: StaticInputs) -> _Captured:
         # the decode launch is sized for the longest context any replay may have
         attn = replace(inputs.attn, max_context_len=self.max_model_len)
         meta = None if key.lora is None else inputs.lora.metadata(key.lora)
@@ -267,11 +247,11 @@ class StaticDecodeRunner:
         return captured
 
     def _capture(
-        self, inputs: _StaticInputs, captured: _Captured, key: GraphKey
+        self, inputs: StaticInputs, captured: _Captured, key: GraphKey
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Record with an all-padding step (no KV writes, empty LoRA segments on the null slot), so
         # the warm-up and the capture itself change no state.
-        self._fill(inputs, (), 0)
+        inputs.fill_empty()
         if key.lora is not None:
             inputs.lora.pack_empty(key.lora)
         inputs.upload()
@@ -285,3 +265,8 @@ class StaticDecodeRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(inputs, captured)
         return graph, logits
+
+
+def _scores_prompt(seq: Sequence) -> bool:
+    """Whether this step's rows of `seq` include prompt rows whose logprobs it asked for."""
+    return seq.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len - 1

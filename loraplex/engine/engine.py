@@ -29,7 +29,7 @@ from loraplex.adapters.residency import StepSlots
 from loraplex.adapters.tier_setup import build_tiers
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.adapter_admission import AdapterAdmission
-from loraplex.engine.cuda_graphs import StaticDecodeRunner
+from loraplex.engine.cuda_graphs import StaticStepRunner
 from loraplex.engine.model_runner import ForwardResult, ModelRunner
 from loraplex.engine.prompt_tokens import eos_token_ids, prompt_token_ids
 from loraplex.engine.sampler import Sampler
@@ -127,9 +127,9 @@ class Engine:
         if self.prefix_cache is not None:
             self.admission.drop_cached = self.prefix_cache.drop_revision
         self.runner = ModelRunner(
-            self.model, self.kv, self.lora_table, self.lora_backend, self.device, self._static_decode(config)
+            self.model, self.kv, self.lora_table, self.lora_backend, self.device, self._static_steps(config)
         )
-        # every kernel variant and decode graph, before the first request (engine/warmup.py)
+        # every kernel variant and CUDA graph, before the first request (engine/warmup.py)
         self.warmup_s = warm_up(self, config, progress)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.stop = StopChecker(self.tokenizer, eos_token_ids(self.model_config, self.tokenizer))
@@ -378,17 +378,18 @@ class Engine:
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def _static_decode(self, config: EngineConfig) -> StaticDecodeRunner | None:
-        """CUDA graphs for decode steps on CUDA unless turned off (cuda_graph_max_batch = 0)."""
+    def _static_steps(self, config: EngineConfig) -> StaticStepRunner | None:
+        """CUDA graphs for decode and mixed steps on CUDA unless turned off (cuda_graph_max_batch = 0)."""
         max_batch = min(config.graphs.cuda_graph_max_batch, config.scheduler.max_num_seqs)
         if self.device.type != "cuda" or max_batch == 0:
             return None
-        return self.static_decode_runner(max_batch, capture=True)
+        return self.static_step_runner(max_batch, capture=True, max_tokens=graph_max_tokens(config))
 
-    def static_decode_runner(self, max_batch: int, capture: bool) -> StaticDecodeRunner:
-        """A decode runner over this engine's model, KV cache and LoRA table (capture=False: the
-        static buffers without CUDA graphs, as tests and benches on the CPU use them)."""
-        return StaticDecodeRunner(
+    def static_step_runner(self, max_batch: int, capture: bool, max_tokens: int = 0) -> StaticStepRunner:
+        """A static-step runner over this engine's model, KV cache and LoRA table (capture=False:
+        the static buffers without CUDA graphs, as tests and benches on the CPU use them;
+        max_tokens 0: decode steps only)."""
+        return StaticStepRunner(
             self.model,
             self.kv,
             self.lora_table,
@@ -397,12 +398,13 @@ class Engine:
             max_batch,
             self.max_model_len,
             capture=capture,
+            max_tokens=max_tokens,
         )
 
     @property
     def graph_replays(self) -> int:
-        """Decode steps that ran as CUDA-graph replays (0 without graphs)."""
-        sd = self.runner.static_decode
+        """Steps that ran as CUDA-graph replays (0 without graphs)."""
+        sd = self.runner.static_steps
         return sd.replays if sd is not None and sd.capture else 0
 
     @property
@@ -412,8 +414,8 @@ class Engine:
 
     @property
     def graph_captures(self) -> int:
-        """CUDA graphs captured so far (one per new decode shape; a steady workload stops adding)."""
-        sd = self.runner.static_decode
+        """CUDA graphs captured so far (one per new step shape; none after a startup warm-up)."""
+        sd = self.runner.static_steps
         return sd.captures if sd is not None else 0
 
 
@@ -426,3 +428,10 @@ def _admission_batch_tokens(config: EngineConfig) -> int:
         return sc.admission_batch_tokens
     graphs = config.device.startswith("cuda") and min(config.graphs.cuda_graph_max_batch, sc.max_num_seqs) > 0
     return sc.max_num_batched_tokens // 2 if graphs else 0
+
+
+def graph_max_tokens(config: EngineConfig) -> int:
+    """Most rows of a step with prefill chunks that replays a CUDA graph (0: none do)."""
+    g = config.graphs
+    budget = config.scheduler.max_num_batched_tokens
+    return budget if g.cuda_graph_max_tokens is None else min(g.cuda_graph_max_tokens, budget)

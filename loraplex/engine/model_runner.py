@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.adapters.residency import StepSlots
-from loraplex.engine.cuda_graphs import StaticDecodeRunner
+from loraplex.engine.cuda_graphs import StaticStepRunner
 from loraplex.engine.scheduler import StepPlan
 from loraplex.host_to_device import to_device
 from loraplex.kv.kv_cache import PagedKVCache
@@ -32,7 +32,7 @@ class ForwardResult:
     prompt_logits: torch.Tensor  # [n_prompt, V] float32
     prompt_rows: tuple[PromptLogprobRow, ...]
     num_adapters: int  # distinct adapter slots among the step's rows
-    static_replay: bool = False  # ran on the static decode buffers (a CUDA-graph replay on CUDA)
+    static_replay: bool = False  # ran on static buffers (a CUDA-graph replay on CUDA)
 
 
 class ModelRunner:
@@ -43,29 +43,32 @@ class ModelRunner:
         lora_table: LoRASlotTable,
         lora_backend: LoRABackend,
         device: torch.device,
-        static_decode: StaticDecodeRunner | None = None,
+        static_steps: StaticStepRunner | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.lora_table = lora_table
         self.lora_backend = lora_backend
         self.device = device
-        # pure decode steps go here when set (CUDA graphs on CUDA; see cuda_graphs.py)
-        self.static_decode = static_decode
+        # steps of a captured shape go here when set (CUDA graphs on CUDA; see cuda_graphs.py)
+        self.static_steps = static_steps
 
     @torch.inference_mode()
     def run(
         self, plan: StepPlan, slots: StepSlots, hidden_capture: dict[int, torch.Tensor] | None = None
     ) -> ForwardResult:
         """One forward over the plan's rows; `slots` is the step's slot map from residency."""
-        if self.static_decode is not None and hidden_capture is None and self.static_decode.can_run(plan):
-            logits, num_adapters = self.static_decode.run(plan, slots)
+        static = self.static_steps
+        shape = static.shape_for(plan) if static is not None and hidden_capture is None else None
+        if shape is not None:
+            assert static is not None
+            out = static.run(plan, slots, shape)
             return ForwardResult(
-                sample_logits=logits,
-                sample_chunks=tuple(range(len(plan.chunks))),
-                prompt_logits=logits[:0],
+                sample_logits=out.logits,
+                sample_chunks=out.sample_chunks,
+                prompt_logits=out.logits[:0],
                 prompt_rows=(),
-                num_adapters=num_adapters,
+                num_adapters=out.num_adapters,
                 static_replay=True,
             )
         return self._run_eager(plan, slots, hidden_capture)

@@ -8,8 +8,8 @@ Three parts:
    bucket, row-loop) variant an eager step can reach, on a private table and backend;
 2. two eager base-model forwards that write nothing to the KV cache (a prefill chunk beside decode
    rows): the attention and fused kernels' eager variants;
-3. the decode graphs (`StaticDecodeRunner.warm_up`), which also compile the decode kernels'
-   graph variants (per-step segment tables).
+3. the CUDA graphs of decode and mixed steps (`StaticStepRunner.warm_up`), which also compile
+   the kernels' graph variants (per-step segment tables, the prefill tile map).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def warm_up(engine: Engine, config: EngineConfig, progress: bool) -> float:
     steps = warm_eager_lora(engine, config, progress)
     _warm_base_forward(engine)
     graphs = 0
-    static = engine.runner.static_decode
+    static = engine.runner.static_steps
     if static is not None and static.capture:
         graphs = static.warm_up(config.lora.max_rank, progress)
     torch.cuda.synchronize(engine.device)
@@ -42,7 +42,7 @@ def warm_up(engine: Engine, config: EngineConfig, progress: bool) -> float:
     if progress:
         compiled = engine.kernel_compiles - compiles0
         print(
-            f"warm-up: {steps} eager LoRA steps, {compiled} kernel compilations, {graphs} decode graphs "
+            f"warm-up: {steps} eager LoRA steps, {compiled} kernel compilations, {graphs} CUDA graphs "
             f"in {seconds:.1f} s",
             file=sys.stderr,
         )

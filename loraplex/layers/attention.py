@@ -100,7 +100,7 @@ def paged_attention_torch(
     flat_k.index_copy_(0, slots, k)
     flat_v.index_copy_(0, slots, v)
     group = q.shape[1] // n_kv
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q) if padded else torch.empty_like(q)  # padding rows of a mixed step: no sequence
     for i, ctx_len in enumerate(meta.context_lens):
         lo, hi = meta.query_start[i], meta.query_start[i + 1]
         if ctx_len == 0:  # a padding row: nothing to attend to

@@ -36,11 +36,16 @@ class AttentionMetadata:
     max_query_len: int = 0  # most query rows of one sequence in this step
     max_context_len: int = 0
     num_decode_seqs: int = 0  # sequences with exactly one query row (the decode kernel's work)
-    # A captured decode step (CUDA graph): the device tensors are views of the graph's input
-    # buffers, rewritten before each replay; the host fields hold only the captured shape
-    # (max_context_len is the bound the launch was sized for). Padding rows have slot -1 and no
-    # context.
+    # A captured step (CUDA graph): the device tensors are views of the graph's input buffers,
+    # rewritten before each replay; the host fields hold only the captured shape (max_context_len
+    # and max_query_len are the bounds the launches were sized for). Padding rows have slot -1 and
+    # no context.
     static: bool = False
+    # A captured mixed step: [C] int32, the prefill launch's (sequence, query tile) per program
+    # (s * 65536 + tile, -1: none), tiles of `prefill_tile_rows` rows; None: a grid of sequences x
+    # the longest chunk's tiles.
+    prefill_tiles: torch.Tensor | None = None
+    prefill_tile_rows: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -272,6 +272,7 @@ def prefill_kernel(
     table_ptr,
     ctx_ptr,
     qstart_ptr,
+    tiles_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -290,12 +291,24 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
     FOR_LOOP: tl.constexpr,
+    TILE_MAP: tl.constexpr,
 ):
     """Program (s, query tile, q head) of a sequence with >= 2 query rows: rows at positions
     ctx - q_len + r attend keys j <= position (and > position - window), cached prefix included;
-    key tiles wholly past the tile's last row (or before its window) are never visited."""
-    s_id = tl.program_id(0)
-    tile = tl.program_id(1)
+    key tiles wholly past the tile's last row (or before its window) are never visited.
+
+    TILE_MAP (a captured step): program (i, 0, q head) takes its (s, query tile) from
+    tiles_ptr[i] = s * 65536 + tile (-1: none), so the grid is sized by the step's row capacity,
+    not by sequences x the longest chunk's tiles."""
+    if TILE_MAP:
+        code = tl.load(tiles_ptr + tl.program_id(0))
+        if code < 0:
+            return
+        s_id = code >> 16
+        tile = code & 0xFFFF
+    else:
+        s_id = tl.program_id(0)
+        tile = tl.program_id(1)
     h = tl.program_id(2)
     q0 = tl.load(qstart_ptr + s_id)
     q_len = tl.load(qstart_ptr + s_id + 1) - q0
@@ -388,7 +401,10 @@ def paged_attention_triton(
     assert n_q % n_kv == 0 and q.stride(2) == 1
     tiling = tiling or tiling_for(head_dim)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty((n_tok, n_q, head_dim), dtype=q.dtype, device=q.device)
+    # A captured mixed step's padding rows belong to no sequence, so no launch writes them: zeros,
+    # not whatever the memory held, flow on through their (unread) rows.
+    alloc = torch.zeros if meta.prefill_tiles is not None else torch.empty
+    out = alloc((n_tok, n_q, head_dim), dtype=q.dtype, device=q.device)
     n_seq = meta.num_seqs
     if n_tok == 0 or n_seq == 0:
         return out
@@ -425,11 +441,18 @@ def paged_attention_triton(
             )  # fmt: skip
     if meta.max_query_len > 1:
         block_m = tiling.prefill_block_m
-        prefill_kernel[(n_seq, _cdiv(meta.max_query_len, block_m), n_q)](
-            q, k_cache, v_cache, out, table, meta.context_lens_t, meta.query_start_t,
+        tiles = meta.prefill_tiles
+        if tiles is not None:
+            assert meta.prefill_tile_rows == block_m, "the step's tile map was cut for other tiles"
+            grid = (tiles.shape[0], 1, n_q)
+        else:
+            tiles = meta.query_start_t  # unread
+            grid = (n_seq, _cdiv(meta.max_query_len, block_m), n_q)
+        prefill_kernel[grid](
+            q, k_cache, v_cache, out, table, meta.context_lens_t, meta.query_start_t, tiles,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, table.stride(0),
             qk_scale, window,
             GROUP=group, D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=tiling.prefill_block_n,
-            PREC=prec, FOR_LOOP=for_loop, num_warps=tiling.num_warps,
+            PREC=prec, FOR_LOOP=for_loop, TILE_MAP=meta.prefill_tiles is not None, num_warps=tiling.num_warps,
         )  # fmt: skip
     return out

@@ -1,5 +1,5 @@
-"""The LoRA part of a captured decode step's static inputs: what to record at capture and what to
-rewrite before each replay.
+"""The LoRA part of a captured step's static inputs (decode or mixed): what to record at capture
+and what to rewrite before each replay.
 
 A CUDA graph cannot take new launch sizes per step, so the LoRA metadata of a captured step is
 *static* (`LoRABatchMetadata.static`): the row permutation, segment slots and segment offsets are
@@ -35,9 +35,14 @@ class LoRAGraphKey(NamedTuple):
 
 
 class LoRAGraphInputs:
-    """One batch bucket's static LoRA inputs: row_perm [B] | seg_slots [B] | seg_offsets [B + 1],
-    each starting at an even word (16-byte aligned when the buffer is: the kernels specialize on
-    pointer alignment, and every bucket should compile the same variants)."""
+    """One bucket's static LoRA inputs for B rows: row_perm [B] | seg_slots [B] | seg_offsets
+    [B + 1], each starting at an even word (16-byte aligned when the buffer is: the kernels
+    specialize on pointer alignment, and every bucket should compile the same variants).
+
+    The segment capacity of a step is the power of two covering its segments, kept within
+    [min_segments, max_segments]: a decode bucket takes every power of two up to B; a mixed
+    bucket's steps have at most B / SEGMENT_ROWS + (sequences) segments and start at a floor, so
+    it needs few graphs (an unused segment costs its programs an early exit)."""
 
     @staticmethod
     def _stride(batch: int) -> int:
@@ -54,10 +59,14 @@ class LoRAGraphInputs:
         device_words: torch.Tensor,
         table: LoRASlotTable,
         backend: LoRABackend,
+        min_segments: int = 1,
+        max_segments: int | None = None,
     ) -> None:
         b = batch
         assert host.shape == (self.words(b),) and device_words.shape == (self.words(b),)
         self.batch = b
+        self.max_segments = min(_pow2(max_segments or b), b)
+        self.min_segments = min(_pow2(min_segments), self.max_segments)
         self.table = table
         self.backend = backend
         self._host = host
@@ -69,11 +78,21 @@ class LoRAGraphInputs:
     def pack(self, row_slots: list[int]) -> tuple[LoRAGraphKey | None, int]:
         """Write a step's LoRA rows into the host buffer (uploaded with the runner's other inputs).
         Returns the graph key's LoRA part (None: no LoRA rows) and the number of distinct adapters."""
-        segments, distinct = cut_segments(row_slots)
+        return self._pack(*cut_segments(row_slots))
+
+    def pack_runs(self, runs: list[tuple[int, int, int]]) -> tuple[LoRAGraphKey | None, int]:
+        """`pack` from runs of consecutive rows on one slot, (slot, first row, rows) in row order
+        (a chunk's tokens): host work grows with chunks and segments, not rows."""
+        return self._pack(*cut_runs(runs))
+
+    def _pack(
+        self, segments: list[tuple[int, list[int]]], distinct: list[int]
+    ) -> tuple[LoRAGraphKey | None, int]:
         if not segments:
             return None, 0
         epoch, null_slot = self.backend.graph_epoch(self.table, self._row_perm.device)
-        cap = min(1 << (len(segments) - 1).bit_length(), self.batch)
+        cap = min(max(_pow2(len(segments)), self.min_segments), self.max_segments)
+        assert len(segments) <= cap, f"{len(segments)} LoRA segments, the bucket takes {cap}"
         max_rank = max(self.table.weights(slot).max_rank for slot in distinct)
         self._write(segments, cap, null_slot)
         return LoRAGraphKey(cap, block_r_for(max_rank), epoch), len(distinct)
@@ -81,9 +100,9 @@ class LoRAGraphInputs:
     def keys(self, max_rank: int) -> list[LoRAGraphKey]:
         """Every LoRA key a step of this bucket can have at the tables' current epoch, with
         adapters of rank up to `max_rank`: what a server captures at startup."""
-        b = self.batch
         epoch = self.backend.graph_epoch(self.table, self._row_perm.device)[0]
-        caps = sorted({min(1 << (n - 1).bit_length(), b) for n in range(1, b + 1)})
+        lo, hi = self.min_segments, self.max_segments
+        caps = sorted({min(max(_pow2(n), lo), hi) for n in range(1, hi + 1)})
         tiles = sorted({block_r_for(r) for r in range(1, max_rank + 1)})
         return [LoRAGraphKey(cap, tile, epoch) for cap in caps for tile in tiles]
 
@@ -119,6 +138,23 @@ class LoRAGraphInputs:
         k = len(segments)
         h[slots + k : slots + cap] = null_slot  # empty segments on the null slot (rank 0)
         h[offsets + k + 1 : offsets + cap + 1] = pos
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cut_runs(runs: list[tuple[int, int, int]]) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """`cut_segments` of runs (slot, first row, rows): the same segments, built per run."""
+    by_slot: dict[int, list[int]] = {}
+    for slot, first, n in runs:
+        if slot != BASE_SLOT and n > 0:
+            by_slot.setdefault(slot, []).extend(range(first, first + n))
+    segments = []
+    for slot, rows in by_slot.items():
+        for i in range(0, len(rows), SEGMENT_ROWS):
+            segments.append((slot, rows[i : i + SEGMENT_ROWS]))
+    return segments, list(by_slot)
 
 
 def cut_segments(row_slots: list[int]) -> tuple[list[tuple[int, list[int]]], list[int]]:

@@ -1,6 +1,6 @@
-"""A captured decode step replays with the live token -> adapter mapping and the live weights
-behind each slot: capture, then change the mapping and the weights behind a slot, replay, and
-compare with the eager forward of the same step.
+"""A captured step (decode, or mixed: a prefill chunk beside decode rows) replays with the live
+token -> adapter mapping and the live weights behind each slot: capture, then change the mapping
+and the weights behind a slot, replay, and compare with the eager forward of the same step.
 
 On CUDA this captures real graphs (bf16, Triton kernels); on the CPU the same test runs the
 static-buffer path eagerly (`capture=False`), which checks the test's own logic and the buffers.
@@ -37,16 +37,15 @@ def _engine(tmp_path: Path, device: str):  # noqa: ANN202
         )
     e = llm.engine
     if device == "cpu":
-        e.runner.static_decode = e.static_decode_runner(16, capture=False)
+        e.runner.static_steps = e.static_step_runner(16, capture=False, max_tokens=4096)
     return e
 
 
 def _both(engine, plan, slots) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-    """Logits of the same decode step, replayed and eager (each rewrites the same KV entries)."""
-    static = engine.runner.static_decode
-    assert static.can_run(plan)
-    replayed, _ = static.run(plan, slots)
-    replayed = replayed.clone()
+    """Logits of the same step, replayed and eager (each rewrites the same KV entries)."""
+    static = engine.runner.static_steps
+    assert static.shape_for(plan) is not None
+    replayed = static.run(plan, slots).logits.clone()
     eager = engine.runner._run_eager(plan, slots, None).sample_logits
     return replayed, eager
 
@@ -68,7 +67,7 @@ def test_replay_reads_live_mapping_and_weights(tmp_path: Path, device: str) -> N
     for i, name in enumerate(names):
         e.add_request(f"r{i}", [3 + i, 9, 27, 4 + i, 11], params, name)
     e.step()  # the prefill (eager)
-    static = e.runner.static_decode
+    static = e.runner.static_steps
 
     plan = e.scheduler.schedule()
     slots = e.slot_map(plan)
@@ -98,3 +97,35 @@ def test_replay_reads_live_mapping_and_weights(tmp_path: Path, device: str) -> N
     assert static.captures == captures  # every replay above reused the first step's graph
     if device == "cuda":
         assert captures >= 1 and static.replays >= 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_replay_reads_live_mapping(tmp_path: Path, device: str) -> None:
+    e = _engine(tmp_path, device)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for i, name in enumerate(["a", "b", None, "c"]):
+        e.add_request(f"r{i}", [3 + i, 9, 27, 4 + i, 11], params, name)
+    e.step()  # their prefill
+    # two prompts arrive: a step of their chunks (one of 40 rows on adapter a: three segments)
+    # beside four decode rows
+    e.add_request("long", list(range(5, 45)), params, "a")
+    e.add_request("short", [7, 8, 9], params, "c")
+    plan = e.scheduler.schedule()
+    assert sorted(c.num_tokens for c in plan.chunks) == [1, 1, 1, 1, 3, 40]
+    static = e.runner.static_steps
+    assert static.shape_for(plan).mixed
+    slots = e.slot_map(plan)
+    replayed, eager = _both(e, plan, slots)
+    assert replayed.shape[0] == 6 and _close(replayed, eager, device)
+    captures = static.captures
+    # the same step under another mapping (the two prompts' adapters swapped), then with other
+    # weights behind a slot: the same graph, the live values
+    s = list(slots.slots)
+    swapped = StepSlots([*s[:4], s[5], s[4]], slots.generations)
+    replayed2, eager2 = _both(e, plan, swapped)
+    assert _close(replayed2, eager2, device) and not _close(replayed2[4:], replayed[4:], device)
+    slot_a = slots.slots[0]
+    e.lora_table.set(slot_a, _scaled(e.lora_table.weights(slot_a), 40.0))
+    replayed3, eager3 = _both(e, plan, swapped)
+    assert _close(replayed3, eager3, device) and not _close(replayed3[:1], replayed2[:1], device)
+    assert static.captures == captures

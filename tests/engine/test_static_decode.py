@@ -33,7 +33,7 @@ def _llms(tmp_path: Path, max_batch: int) -> tuple[LLM, LLM]:
         for name, path in paths.items():
             llm.register_adapter(name, path)
     e = llms[1].engine
-    e.runner.static_decode = e.static_decode_runner(max_batch, capture=False)
+    e.runner.static_steps = e.static_step_runner(max_batch, capture=False)
     return llms
 
 
@@ -69,7 +69,7 @@ def test_static_decode_matches_eager(tmp_path: Path, monkeypatch: pytest.MonkeyP
     ]
     out_eager = eager.generate(prompts, params, adapters=adapters)
     out_static = static.generate(prompts, params, adapters=adapters)
-    runner = static.engine.runner.static_decode
+    runner = static.engine.runner.static_steps
     assert runner is not None and runner.replays >= 20
     assert {k.batch for k in runner._graphs} >= {24, 16, 8}  # several buckets were used
     assert any(k.lora and k.lora.segments >= 4 for k in runner._graphs)  # 4+ segments: the cut r16 rows
@@ -106,7 +106,7 @@ def test_graphs_of_a_bucket_share_one_logits_buffer(tmp_path: Path) -> None:
     # so graph memory does not grow by B * V * 4 bytes with every LoRA shape a bucket meets
     _, static = _llms(tmp_path, max_batch=8)
     e = static.engine
-    runner = e.runner.static_decode
+    runner = e.runner.static_steps
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     outputs = []  # all kept alive, so separate buffers could not share an address by reuse
     for i, name in enumerate([None, "r16", "r8"]):
@@ -114,7 +114,7 @@ def test_graphs_of_a_bucket_share_one_logits_buffer(tmp_path: Path) -> None:
         e.step()  # the prefill
         plan = e.scheduler.schedule()
         slots = e.slot_map(plan)
-        outputs.append(runner.run(plan, slots)[0])
+        outputs.append(runner.run(plan, slots).logits)
         e._postprocess(plan, e.runner._run_eager(plan, slots, None))
     assert len(runner._graphs) >= 2 and len({k.batch for k in runner._graphs}) == 1
     assert len({t.data_ptr() for t in outputs}) == 1
@@ -126,7 +126,7 @@ def test_warm_up_records_every_graph_a_decode_step_can_need(tmp_path: Path) -> N
     # to many segments - meets no graph key it does not have: no capture on the serving path.
     _, static = _llms(tmp_path, max_batch=24)
     e = static.engine
-    runner = e.runner.static_decode
+    runner = e.runner.static_steps
     assert runner is not None
     added = runner.warm_up(max_rank=16)
     keys = set(runner._graphs)

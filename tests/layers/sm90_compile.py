@@ -9,8 +9,9 @@ from loraplex.layers import attention_triton as at
 
 POINTERS = {name: "*bf16" for name in ("q_ptr", "k_cache", "v_cache", "out_ptr", "k_ptr", "v_ptr")}
 POINTERS.update(
-    part_acc="*fp32", part_ml="*fp32", table_ptr="*i32", ctx_ptr="*i32", qstart_ptr="*i32", slot_ptr="*i64"
+    part_acc="*fp32", part_ml="*fp32", table_ptr="*i32", ctx_ptr="*i32", qstart_ptr="*i32", tiles_ptr="*i32"
 )
+POINTERS.update(slot_ptr="*i64")
 POINTERS.update(qk_scale="fp32")
 
 
@@ -26,8 +27,9 @@ def main() -> None:
             consts = dict(common, G_PAD=16, BLOCK_N=t.decode_block_n, SPLITS=splits)
             compile_sm90(at.decode_kernel, consts, t.num_warps)
         compile_sm90(at.decode_combine_kernel, dict(HQ=32, D=head_dim, D_PAD=head_dim, SPLITS=2))
-        consts = dict(common, BLOCK_M=t.prefill_block_m, BLOCK_N=t.prefill_block_n)
-        compile_sm90(at.prefill_kernel, consts, t.num_warps)
+        for tile_map in (False, True):
+            consts = dict(common, BLOCK_M=t.prefill_block_m, BLOCK_N=t.prefill_block_n, TILE_MAP=tile_map)
+            compile_sm90(at.prefill_kernel, consts, t.num_warps)
         compile_sm90(at.kv_write_kernel, dict(HKV=8, D=head_dim, H_PAD=8, D_PAD=head_dim))
     print("compiled")
 

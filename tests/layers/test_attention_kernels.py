@@ -280,6 +280,69 @@ def test_interp_static_decode_with_padding_rows() -> None:
     assert torch.equal(out_ref[3:], torch.zeros_like(out_ref[3:]))
 
 
+def _mixed_static(case: Case, pad_rows: int, pad_seqs: int, tile_rows: int, bound: int) -> tuple:
+    """The case's sequences as a captured mixed step lays them out: `pad_rows` padding rows past
+    the last sequence's (no sequence, slot -1), `pad_seqs` empty sequences, the prefill launch's
+    tile map with capacity for every row tile plus spare entries (-1); returns (q, k, v, meta)."""
+    m = case.meta_kernel
+    n, width = m.block_table.shape
+    rows = int(m.query_start_t[-1])
+    extra = lambda x: torch.cat([x, torch.randn(pad_rows, *x.shape[1:]).to(x)])  # noqa: E731
+    starts = m.query_start_t.tolist()
+    tiles = []
+    for s in range(n):
+        q_len = starts[s + 1] - starts[s]
+        if q_len >= 2:
+            tiles += [s * 65536 + t for t in range(-(-q_len // tile_rows))]
+    capacity = -(-(rows + pad_rows) // tile_rows) + n + pad_seqs
+    return (
+        extra(case.q),
+        extra(case.k),
+        extra(case.v),
+        AttentionMetadata(
+            positions=torch.cat([m.positions, torch.zeros(pad_rows, dtype=torch.int64)]),
+            slot_mapping=torch.cat([m.slot_mapping, torch.full((pad_rows,), -1)]),
+            query_start=tuple(range(n + pad_seqs + 1)),  # the captured shape only
+            context_lens=(0,) * (n + pad_seqs),
+            kv_indices=(),
+            block_tables=(),
+            block_table=torch.cat([m.block_table, torch.zeros(pad_seqs, width, dtype=torch.int32)]),
+            context_lens_t=torch.cat([m.context_lens_t, torch.zeros(pad_seqs, dtype=torch.int32)]),
+            query_start_t=torch.cat([m.query_start_t, torch.full((pad_seqs,), rows, dtype=torch.int32)]),
+            max_query_len=rows + pad_rows,
+            max_context_len=bound,
+            num_decode_seqs=n + pad_seqs,
+            static=True,
+            prefill_tiles=torch.tensor(tiles + [-1] * (capacity - len(tiles)), dtype=torch.int32),
+            prefill_tile_rows=tile_rows,
+        ),
+    )
+
+
+@needs_interp
+def test_interp_static_mixed_step_with_tile_map() -> None:
+    from loraplex.layers.attention_triton import paged_attention_triton
+
+    # a captured mixed step: decode rows, a chunk continuing a cached prefix and a first chunk
+    # (several query tiles), 5 padding rows and 2 empty sequences that must write and read nothing
+    case = make_case([(40, 1), (20, 37), (0, 1), (0, 18)], 4, 2, 32, torch.float32, "cpu", seed=17)
+    q, k, v, meta = _mixed_static(case, pad_rows=5, pad_seqs=2, tile_rows=16, bound=512)
+    scale = 32**-0.5
+    ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
+    ref = paged_attention_torch(case.q, case.k, case.v, ref_k, ref_v, case.meta_ref, scale, None)
+    rows = ref.shape[0]
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out = paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale, None, _interp_tiling())
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # padding wrote nothing
+    assert (out[:rows] - ref).abs().max() <= 1e-4
+    assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
+    # the torch reference runs the same static metadata (reading its device tensors)
+    k2, v2 = case.k_cache.clone(), case.v_cache.clone()
+    out_ref = paged_attention_torch(q, k, v, k2, v2, meta, scale, None)
+    assert torch.equal(k2, ref_k) and (out_ref[:rows] - ref).abs().max() <= 1e-6
+    assert torch.equal(out_ref[rows:], torch.zeros_like(out_ref[rows:]))
+
+
 def test_one_factory_picks_the_attention_backend() -> None:
     from loraplex.layers.attention import make_attention_backend
 
