@@ -177,6 +177,7 @@ class StaticStepRunner:
             shapes += [StepShape.mixed_for(r, self.max_batch) for r in token_buckets(self.max_tokens)]
         return shapes
 
+    @torch.inference_mode()
     def warm_up(self, max_rank: int, progress: bool = False) -> int:
         """Capture (or, without capture, record) every graph a step can need — each shape,
         base-only and every LoRA key for adapters of rank up to `max_rank` — so no capture lands
