@@ -6,7 +6,7 @@ the arguments as the JIT does for an sm_90 device and records the cache key; not
     python benchmarks/lora_specializations.py eager [--steps 200]
     python benchmarks/lora_specializations.py warmup [--max-batch 64] [--max-rank 64] [--max-segments 64]
 
-`decode`: every LoRA key the engine captures at startup (`StaticDecodeRunner.warm_up`), on
+`decode`: every LoRA key the engine captures at startup (`StaticStepRunner.warm_up`), on
 Llama-3-8B shapes. `eager`: random mixed steps (1-4 prefill chunks of 1-512 rows, up to 63 decode
 rows, 20% base rows, 24 adapters of ranks 8-64 over 5 target sets). Prints the variants per
 kernel and, for each kernel, the arguments whose specialization differs between launches.
