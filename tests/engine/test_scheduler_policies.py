@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.reference import load_peft_mixture, mixed_batch_greedy
@@ -14,6 +15,7 @@ from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
 from loraplex.config import CacheConfig, EngineConfig, SchedulerConfig
+from loraplex.demo import DEMO_MODEL_DIR
 from loraplex.engine.engine import Engine
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence
@@ -243,3 +245,28 @@ def test_cancelling_at_every_phase_frees_everything(env: dict, fcfs: _Ran) -> No
     # nothing waits or runs, and check_integrity (every step) found no block or adapter hold
     # but the live requests'
     assert not e.scheduler.waiting and not e.scheduler.running
+
+
+def test_llm_generate_passes_priorities_and_deadlines_and_bad_deadlines_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    llm = LLM(str(DEMO_MODEL_DIR))
+    engine = llm.engine
+    seen: list[tuple[float | None, int]] = []
+    original = engine.add_request
+
+    def add_request(request_id: str, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401
+        original(request_id, *args, **kwargs)
+        seq = engine.sequence(request_id)
+        seen.append((seq.deadline_s, seq.priority))
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    params = SamplingParams(max_tokens=1)
+    llm.generate(["ab=", "cd="], params, deadline_s=[0.5, None], priority=[2, 0])
+    assert seen == [(0.5, 2), (None, 0)]
+    bad = (0, -1.0, float("nan"), float("inf"))
+    for deadline in bad:
+        with pytest.raises(ValueError, match="deadline_s must be a positive number of seconds"):
+            llm.generate(["ab=", "cd="], params, deadline_s=[1.0, deadline])
+    # each refused batch's first request was admitted, then withdrawn with the batch
+    assert seen[2:] == [(1.0, 0)] * len(bad) and not engine.has_unfinished()
