@@ -243,12 +243,12 @@ class SchedulerConfig:
     # "adaptive" (tenant fairness, priority, deadlines, adapter locality, a starvation bound); the
     # knobs below are adaptive's.
     policy: str = "fcfs"
-    # The running set (engine/decode_policies.py): which running sequences get rows first when the
-    # token budget is short and which are preempted when KV blocks or slots are. "fcfs": arrival
-    # order, the latest arrival preempted; "adaptive": decode rows before prefill chunks, victims
-    # from the tenant most over its share (lowest priority, then latest), and a tenant under its
-    # share may take a slot from one over it. None: the same as `policy`.
+    # The running set (engine/decode_policies.py): which running sequences are preempted when KV
+    # blocks or slots are short. "fcfs": the latest admitted; "adaptive": one of the tenant most
+    # over its share of the slots (lowest priority, then latest), and a tenant under its share
+    # whose request waited `displace_after_ms` may take a slot from it. None: the same as `policy`.
     decode_policy: str | None = None
+    displace_after_ms: int = 500
     # A request that would bring a new adapter into the step waits up to this long for
     # same-adapter company, unless `locality_group` requests of its adapter already wait.
     locality_window_ms: int = 150
@@ -273,6 +273,7 @@ class SchedulerConfig:
             self.max_adapters_per_step,
             self.max_wait_ms,
             self.deadline_slack_ms,
+            self.displace_after_ms,
         )
         if min(knobs) < 0 or self.locality_group < 1:
             raise ValueError("the adaptive policy's knobs must be >= 0 (locality_group >= 1)")

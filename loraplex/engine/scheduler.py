@@ -184,7 +184,7 @@ class Scheduler:
                 break
             slot_of: Sequence | None = None
             if len(running) >= max_seqs:  # every slot taken: admitted only in a displaced one's place
-                slot_of = None if displaced else decode.displace(seq, running)
+                slot_of = None if displaced else decode.displace(seq, running, now)
                 if slot_of is None:
                     break
             if ready is not None and not ready(seq):

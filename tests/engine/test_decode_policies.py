@@ -16,6 +16,14 @@ from loraplex.config_cli import add_engine_args, engine_config_from_args
 from loraplex.engine.scheduler import StepPlan
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_the_decode_policy_follows_the_admission_policy_unless_set() -> None:
     assert SchedulerConfig().running_policy == "fcfs"
     assert SchedulerConfig(policy="adaptive").running_policy == "adaptive"
@@ -50,11 +58,12 @@ def test_kv_preemption_takes_from_the_tenant_over_its_share_lowest_priority_firs
     assert run.tenants_running() == {"a": 2, "b": 1}
 
 
-def _flooded(decode: str, weights: str = "") -> Stepper:
+def _flooded(decode: str, weights: str = "", after_ms: int = 0, clock: _Clock | None = None) -> Stepper:
     """Tenant a's six long requests take every one of 4 slots; then b asks for four."""
     run = Stepper(
-        num_blocks=256, max_num_seqs=4, policy="adaptive", decode_policy=decode, tenant_weights=weights
-    )
+        num_blocks=256, max_num_seqs=4, clock=clock or _Clock(), policy="adaptive",
+        decode_policy=decode, tenant_weights=weights, displace_after_ms=after_ms,
+    )  # fmt: skip
     for i in range(6):
         run.add(f"a{i}", 4, max_tokens=200, tenant="a")
     run.step()
@@ -81,6 +90,17 @@ def test_a_tenant_that_filled_every_slot_gives_slots_up_to_a_backlogged_one() ->
     for _ in range(6):
         run.step()
     assert run.tenants_running() == {"a": 4}
+
+
+def test_a_request_displaces_only_after_it_waited_displace_after_ms() -> None:
+    clock = _Clock()
+    run = _flooded("adaptive", after_ms=200, clock=clock)
+    for _ in range(3):
+        run.step()
+    assert run.tenants_running() == {"a": 4}  # slots may free up soon: b waits for them first
+    clock.now = 0.2
+    run.step()
+    assert run.tenants_running() == {"a": 3, "b": 1}
 
 
 def test_displacement_settles_at_the_weighted_split() -> None:

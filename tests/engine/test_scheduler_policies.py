@@ -114,9 +114,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"model_dir": model_dir, "paths": paths, "hf": hf}
 
 
-def _engine(env: dict, policy: str, num_blocks: int = 64) -> Engine:
+def _engine(env: dict, policy: str, num_blocks: int = 64, displace_after_ms: int = 500) -> Engine:
     # 3 sequences and 48 tokens a step: most requests wait, so the two policies order them differently.
-    sched = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=48, policy=policy, locality_window_ms=5)
+    sched = SchedulerConfig(
+        max_num_seqs=3, max_num_batched_tokens=48, policy=policy, locality_window_ms=5,
+        displace_after_ms=displace_after_ms,
+    )  # fmt: skip
     cache = CacheConfig(num_blocks=num_blocks)
     config = EngineConfig(model_dir=str(env["model_dir"]), cache=cache, scheduler=sched)
     llm = LLM.from_config(config)
@@ -229,7 +232,7 @@ def test_preempting_for_kv_space_changes_no_output(
 def test_a_late_tenant_displacing_running_sequences_changes_no_output(env: dict, fcfs: _Ran) -> None:
     # Tenant a's requests fill the 3 slots before b's arrive; KV never runs short here, so every
     # preemption is b, under its share of the slots, taking one from a (engine/decode_policies.py).
-    late = _run(_engine(env, "adaptive"), late="b")
+    late = _run(_engine(env, "adaptive", displace_after_ms=0), late="b")
     assert late.preemptions > 0
     assert late.outputs == fcfs.outputs
 

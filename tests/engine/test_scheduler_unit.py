@@ -204,12 +204,17 @@ def test_finish_frees_blocks_of_running_and_forgets_waiting() -> None:
     st.check()
 
 
-# The adaptive policies reorder admission and pick victims and displacements by tenant, priority
-# and weight: the same bookkeeping must hold and every request finish.
+# The adaptive policies reorder admission and pick victims and displacements (here without a wait)
+# by tenant, priority and weight: the same bookkeeping must hold and every request finish.
 @pytest.mark.parametrize(
-    "knobs", [{}, {"policy": "adaptive"}, {"policy": "adaptive", "tenant_weights": "a:2,b:0.5"}]
+    "knobs",
+    [
+        {},
+        {"policy": "adaptive", "displace_after_ms": 0},
+        {"policy": "adaptive", "displace_after_ms": 0, "tenant_weights": "a:2,b:0.5"},
+    ],
 )
-def test_random_workloads_keep_the_bookkeeping_and_finish(knobs: dict[str, str]) -> None:
+def test_random_workloads_keep_the_bookkeeping_and_finish(knobs: dict[str, str | int]) -> None:
     rnd = random.Random(15)
     who = random.Random(16)  # tenants and priorities (the workloads stay those of `rnd`)
     preemptions = 0

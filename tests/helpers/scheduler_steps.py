@@ -10,6 +10,8 @@ applied: `Stepper.sampled` keeps it.
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 
 from loraplex.config import SchedulerConfig
 from loraplex.engine.scheduler import Scheduler, StepPlan
@@ -27,10 +29,17 @@ def blocks(tokens: int) -> int:
 class Stepper:
     """`knobs`: more SchedulerConfig fields (policies and their settings)."""
 
-    def __init__(self, num_blocks: int, budget: int = 2048, max_num_seqs: int = 64, **knobs: str) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        budget: int = 2048,
+        max_num_seqs: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+        **knobs: str | int,
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, **knobs)  # type: ignore[arg-type]
-        self.sched = Scheduler(self.config, self.pool, BS)
+        self.sched = Scheduler(self.config, self.pool, BS, clock=clock)
         self._arrivals = itertools.count()
         self.seqs: list[Sequence] = []
         self.sampled: list[str] = []  # request ids whose chunk completed in the last step
