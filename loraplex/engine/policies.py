@@ -1,8 +1,9 @@
 """Admission-order policies: which waiting sequence the scheduler tries next.
 
 The scheduler (engine/scheduler.py) owns the step: the token budget, chunked prefill, decode rows,
-KV space, the adapter-ready gate and preemption. A policy owns only the waiting queue and its
-order, so policies compose with all of that instead of copying it. Each step the scheduler asks
+KV space, the adapter-ready gate and preemption (whose victims the decode policy picks,
+engine/decode_policies.py). An admission policy owns only the waiting queue and its order, so
+policies compose with all of that instead of copying it. Each step the scheduler asks
 `candidates(now)` for a bounded run of waiting sequences in the order to try them, admits what fits,
 and reports back: `take` (admitted), `started`/`stopped` (entered / left the running set) and
 `charge` (rows planned for a sequence).
