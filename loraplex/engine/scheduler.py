@@ -91,7 +91,8 @@ class Scheduler:
         self.prefix = prefix  # None: no prefix cache
         # The waiting queue and its order (engine/policies.py); FCFS keeps it sorted by arrival.
         self.policy = policy if policy is not None else make_policy(config, clock)
-        # Among the running: who gets rows first, who is preempted (engine/decode_policies.py).
+        # Among the running: who is preempted for KV space, whom an admission may displace
+        # (engine/decode_policies.py).
         self.decode = decode if decode is not None else make_decode_policy(config)
         self.running: list[Sequence] = []  # in admission order
         # Each decoding sequence's `ScheduledChunk(seq, 1, True)`, made once and planned every step
