@@ -239,9 +239,16 @@ class SchedulerConfig:
     # (every arrival admitted at once).
     admission_batch_tokens: int | None = None
     admission_max_wait_ms: int = 50
-    # Admission order (engine/policies.py): "fcfs" (arrival order) or "adaptive" (tenant fairness,
-    # priority, deadlines, adapter locality, a starvation bound); the knobs below are adaptive's.
+    # Admission order, i.e. which prefills start (engine/policies.py): "fcfs" (arrival order) or
+    # "adaptive" (tenant fairness, priority, deadlines, adapter locality, a starvation bound); the
+    # knobs below are adaptive's.
     policy: str = "fcfs"
+    # The running set (engine/decode_policies.py): which running sequences are preempted when KV
+    # blocks or slots are short. "fcfs": the latest admitted; "adaptive": one of the tenant most
+    # over its share of the slots (lowest priority, then latest), and a tenant under its share
+    # whose request waited `displace_after_ms` may take a slot from it. None: the same as `policy`.
+    decode_policy: str | None = None
+    displace_after_ms: int = 500
     # A request that would bring a new adapter into the step waits up to this long for
     # same-adapter company, unless `locality_group` requests of its adapter already wait.
     locality_window_ms: int = 150
@@ -251,14 +258,22 @@ class SchedulerConfig:
     deadline_slack_ms: int = 100  # a deadline this close makes a request urgent (before fairness)
     tenant_weights: str = ""  # "a:3,b:1": shares of service when backlogged; others weigh 1
 
+    @property
+    def running_policy(self) -> str:
+        """The decode-side policy in force: `decode_policy`, or `policy` when that is unset."""
+        return self.decode_policy or self.policy
+
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "adaptive"):
             raise ValueError(f"policy must be fcfs or adaptive, got {self.policy!r}")
+        if self.decode_policy not in (None, "fcfs", "adaptive"):
+            raise ValueError(f"decode_policy must be fcfs or adaptive, got {self.decode_policy!r}")
         knobs = (
             self.locality_window_ms,
             self.max_adapters_per_step,
             self.max_wait_ms,
             self.deadline_slack_ms,
+            self.displace_after_ms,
         )
         if min(knobs) < 0 or self.locality_group < 1:
             raise ValueError("the adaptive policy's knobs must be >= 0 (locality_group >= 1)")

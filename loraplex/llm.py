@@ -87,6 +87,7 @@ class LLM:
         adapters: str | AdapterRef | None | Sequence[str | AdapterRef | None] = None,
         cache_salt: str | None | Sequence[str | None] = None,
         priority: int | Sequence[int] = 0,
+        deadline_s: float | None | Sequence[float | None] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs come back in prompt order.
 
@@ -94,6 +95,8 @@ class LLM:
         `name@revision`; a single value applies to every prompt. `cache_salt` (one, or one per
         prompt): only requests with the same salt share prefix-cache blocks. `priority` (one, or
         one per prompt): admission order under the adaptive scheduler policy (higher first).
+        `deadline_s` (one, or one per prompt; None: none): the first token's deadline in seconds,
+        which the adaptive policy admits ahead of fairness as it nears.
         Every request is validated and resolved before any runs, so one bad entry raises
         ValueError and nothing runs.
         """
@@ -106,14 +109,15 @@ class LLM:
         adapter_specs = _per_prompt(adapters, len(batch), (str, AdapterRef, type(None)))
         salts = _per_prompt(cache_salt, len(batch), (str, type(None)))
         priorities = _per_prompt(priority, len(batch), int)
+        deadlines = _per_prompt(deadline_s, len(batch), (int, float, type(None)))
         request_ids = [f"gen-{next(self._ids)}" for _ in batch]
         engine = self.engine
         added: list[str] = []
         try:
-            for rid, prompt, p, a, salt, pri in zip(
-                request_ids, batch, params, adapter_specs, salts, priorities, strict=True
+            for rid, prompt, p, a, salt, pri, due in zip(
+                request_ids, batch, params, adapter_specs, salts, priorities, deadlines, strict=True
             ):
-                engine.add_request(rid, prompt, p, a, salt, priority=pri)
+                engine.add_request(rid, prompt, p, a, salt, priority=pri, deadline_s=due)
                 added.append(rid)
         except Exception:
             for rid in added:

@@ -61,7 +61,7 @@ class Policy:
     admission_max_wait_ms: int = 50
     build: SchedulerBuild | None = None  # None: the Scheduler with the knobs above
     policy: str = "fcfs"  # the admission order (engine/policies.py)
-    knobs: tuple[tuple[str, int], ...] = ()  # SchedulerConfig fields of that policy
+    knobs: tuple[tuple[str, int | str], ...] = ()  # SchedulerConfig fields of that policy
 
     def scheduler(
         self,

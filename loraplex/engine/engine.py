@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -202,11 +203,14 @@ class Engine:
         (seconds from now) ahead when the deadline nears; FCFS ignores all three.
 
         Raises ValueError (nothing is queued or held) for a duplicate id, an empty or too long
-        prompt, out-of-vocabulary token ids, or an unknown adapter. A prompt may fill the context
-        length only when `params.max_tokens` is 0 (scoring: nothing is generated after it).
+        prompt, out-of-vocabulary token ids, an unknown adapter, or a deadline that is not a
+        positive number of seconds. A prompt may fill the context length only when
+        `params.max_tokens` is 0 (scoring: nothing is generated after it).
         """
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if deadline_s is not None and not 0 < deadline_s < math.inf:  # (NaN fails too)
+            raise ValueError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         limit = self.max_model_len
         if len(token_ids) > limit or (params.max_tokens and len(token_ids) == limit):

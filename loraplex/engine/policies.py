@@ -1,8 +1,9 @@
 """Admission-order policies: which waiting sequence the scheduler tries next.
 
 The scheduler (engine/scheduler.py) owns the step: the token budget, chunked prefill, decode rows,
-KV space, the adapter-ready gate and preemption. A policy owns only the waiting queue and its
-order, so policies compose with all of that instead of copying it. Each step the scheduler asks
+KV space, the adapter-ready gate and preemption (whose victims the decode policy picks,
+engine/decode_policies.py). An admission policy owns only the waiting queue and its order, so
+policies compose with all of that instead of copying it. Each step the scheduler asks
 `candidates(now)` for a bounded run of waiting sequences in the order to try them, admits what fits,
 and reports back: `take` (admitted), `started`/`stopped` (entered / left the running set) and
 `charge` (rows planned for a sequence).
@@ -122,7 +123,7 @@ class AdaptivePolicy:
         self.max_adapters = config.max_adapters_per_step or config.max_num_seqs
         self.max_wait = config.max_wait_ms / 1000
         self.slack = config.deadline_slack_ms / 1000
-        self.weights = _parse_weights(config.tenant_weights)
+        self.weights = parse_weights(config.tenant_weights)
         self._tick = itertools.count()  # heap tie-break, so sequences are never compared
         self._waiting: dict[Sequence, None] = {}  # insertion (about arrival) order
         self._tenant_waiting: dict[str, dict[Sequence, None]] = {}  # per tenant, oldest first
@@ -297,7 +298,7 @@ class _View(SeqView[Sequence]):
         return next(itertools.islice(self._waiting, i, None))
 
 
-def _parse_weights(text: str) -> dict[str, float]:
+def parse_weights(text: str) -> dict[str, float]:
     """'a:3,b:1' -> {'a': 3.0, 'b': 1.0}; tenants not named weigh 1."""
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):

@@ -1,14 +1,16 @@
 """Continuous-batching scheduler with chunked prefill and preemption by recomputation.
 
 Works on sequences and block ids only; the model runner turns its plan into tensors. Each step:
-running sequences first (in arrival order; a decoding sequence asks for one row, a sequence
+running sequences first (in admission order; a decoding sequence asks for one row, a sequence
 still prefilling for its next chunk), then waiting sequences in the admission policy's order
 (engine/policies.py; FCFS: arrival order) while the token budget, the sequence limit and the KV
 pool allow. A waiting sequence that does not fit blocks the ones behind it; one whose adapter is
-still loading is passed over (unless the policy says it blocks: a starved one). When a
-running sequence needs a block and none is free, the latest-arrived running sequence is
-preempted: its blocks are freed and it goes back to the waiting queue, to be recomputed from its
-prompt and generated tokens.
+still loading is passed over (unless the policy says it blocks: a starved one). When a running
+sequence needs a block and none is free, the decode policy's victim (engine/decode_policies.py;
+FCFS: the latest admitted) is preempted: its blocks are freed and it goes back to the waiting
+queue, to be recomputed from its prompt and generated tokens. When every slot is taken, the decode
+policy may name a running sequence that an admission displaces (preempted the same way; FCFS never
+does, the adaptive policy for a tenant under its share).
 
 With a prefix cache (`kv/prefix_cache.py`), a waiting sequence is admitted from the longest run of
 cached blocks that starts its tokens: those are held, not allocated, and not computed again.
@@ -29,6 +31,7 @@ from collections.abc import Sequence as SeqView
 from dataclasses import dataclass
 
 from loraplex.config import SchedulerConfig
+from loraplex.engine.decode_policies import DecodePolicy, make_decode_policy
 from loraplex.engine.policies import AdmissionPolicy, make_policy
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool
@@ -72,6 +75,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         prefix: PrefixCache | None = None,
         policy: AdmissionPolicy | None = None,
+        decode: DecodePolicy | None = None,
     ) -> None:
         self.config = config
         # Seconds from any monotonic origin; the simulator (bench/simulate.py) passes a virtual one.
@@ -87,7 +91,10 @@ class Scheduler:
         self.prefix = prefix  # None: no prefix cache
         # The waiting queue and its order (engine/policies.py); FCFS keeps it sorted by arrival.
         self.policy = policy if policy is not None else make_policy(config, clock)
-        self.running: list[Sequence] = []  # kept sorted by arrival
+        # Among the running: who is preempted for KV space, whom an admission may displace
+        # (engine/decode_policies.py).
+        self.decode = decode if decode is not None else make_decode_policy(config)
+        self.running: list[Sequence] = []  # in admission order
         # Each decoding sequence's `ScheduledChunk(seq, 1, True)`, made once and planned every step
         # it decodes (dropped when the sequence finishes).
         self._decode_chunks: dict[Sequence, ScheduledChunk] = {}
@@ -114,17 +121,21 @@ class Scheduler:
 
         # The running pass is the whole step in steady decoding: per sequence, a few integer ops,
         # the pool only when a block boundary is crossed, and the sequence's cached decode chunk.
-        # Preemption only removes sequences from the end of `running`, which ends this loop early
-        # exactly where the index-based loop of the design would stop.
+        # It walks a copy of `running`: a victim may be one already planned (it gives its rows
+        # back) or one not reached yet (skipped). FCFS victims come off the end, so there the pass
+        # plans nothing after a preemption, as the index-based loop of the design would stop.
         running = self.running
         pool = self.pool
         bs = self.block_size
         decode_chunks = self._decode_chunks
         prefix = self.prefix
+        decode = self.decode
         all_decode = True
-        for seq in running:
+        for seq in running[:]:
             if budget <= 0:
                 break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this pass, as a victim ahead of its turn
             output = seq.output_token_ids
             computed = seq.num_computed
             uncomputed = len(seq.prompt_token_ids) + len(output) - computed
@@ -134,13 +145,14 @@ class Scheduler:
                 if prefix is not None:  # its blocks so far are full: cache them
                     prefix.commit(seq)
                 while need > pool.num_free:
-                    victim = running[-1]
+                    victim = decode.victim(running)
+                    budget += _unplan(victim, chunks)
                     self._preempt(victim)
                     preempted.append(victim.request_id)
                     if victim is seq:
                         break
                 if seq.status is not SequenceStatus.RUNNING:
-                    break  # it preempted itself: everything after it is gone too
+                    continue  # it preempted itself (under FCFS everything after it is gone too)
                 seq.block_ids.extend(pool.allocate(need))
             if n == 1 and uncomputed == 1 and output:  # _is_decode(seq, n)
                 chunk = decode_chunks.get(seq)
@@ -165,11 +177,17 @@ class Scheduler:
         # Passing over sequences whose adapter is not resident is bounded, so a long backlog of
         # them does not make every step O(waiting); those behind wait for the loads ahead.
         pass_over, skipped, cached_tokens = 4 * max_seqs, 0, 0
+        displaced = False  # at most one displacement a step: the slots move over one at a time
         now = self.clock()
         candidates = policy.candidates(now, pass_over + max_seqs)
         for seq in candidates:
-            if budget <= 0 or len(running) >= max_seqs:
+            if budget <= 0:
                 break
+            slot_of: Sequence | None = None
+            if len(running) >= max_seqs:  # every slot taken: admitted only in a displaced one's place
+                slot_of = None if displaced else decode.displace(seq, running, now)
+                if slot_of is None:
+                    break
             if ready is not None and not ready(seq):
                 skipped += 1
                 if skipped >= pass_over or policy.blocks(seq, now):
@@ -183,6 +201,11 @@ class Scheduler:
             # Holding a cached hit block takes it off the free count as allocating would.
             if need + (prefix.num_unheld(hits) if prefix is not None and hits else 0) > pool.num_free:
                 break
+            if slot_of is not None:
+                budget += _unplan(slot_of, chunks)
+                self._preempt(slot_of)
+                preempted.append(slot_of.request_id)
+                displaced = True
             policy.take(seq)
             if prefix is not None:  # the hits are held before allocating, which could evict them
                 prefix.admit(seq, hits)
@@ -191,6 +214,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
             policy.started(seq)
+            decode.started(seq)
             chunks.append(ScheduledChunk(seq, n, _is_decode(seq, n)))
             budget -= n
         if hasattr(candidates, "close"):
@@ -237,11 +261,13 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         if was_running:
             self.policy.stopped(seq)
+            self.decode.stopped(seq)
         self._decode_chunks.pop(seq, None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.policy.stopped(seq)
+        self.decode.stopped(seq)
         self._free_blocks(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -256,6 +282,14 @@ class Scheduler:
         self.pool.free(reversed(seq.block_ids))
         seq.block_ids = []
         seq.num_committed_blocks = 0
+
+
+def _unplan(seq: Sequence, chunks: list[ScheduledChunk]) -> int:
+    """Take a sequence about to be preempted out of this step's plan; the rows it gives back."""
+    for i in range(len(chunks) - 1, -1, -1):
+        if chunks[i].seq is seq:
+            return chunks.pop(i).num_tokens
+    return 0
 
 
 def _is_decode(seq: Sequence, n: int) -> bool:

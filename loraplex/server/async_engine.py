@@ -64,6 +64,7 @@ class _AddMany:
     tenant: str | None = None  # resolve `adapter` among what this tenant may use (None: anything)
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     priority: int = 0  # among the tenant's own requests (engine/policies.py)
+    deadline_s: float | None = None  # the first token's deadline, seconds after arrival
     done: Future[None] = field(default_factory=Future)
 
 
@@ -117,6 +118,7 @@ class AsyncEngine:
         tenant: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        deadline_s: float | None = None,
     ) -> list[asyncio.Queue[OutputDelta]]:
         """Admit requests together in one engine command: every one on the same adapter revision,
         and none of them if one is refused (the engine's ValueError is raised here). The adapter
@@ -124,7 +126,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         streams = [_Stream(loop, asyncio.Queue(), RequestTimes(now, tenant)) for _ in requests]
-        cmd = _AddMany(requests, adapter, streams, tenant, cache_salt, priority)
+        cmd = _AddMany(requests, adapter, streams, tenant, cache_salt, priority, deadline_s)
         self._commands.put(cmd)
         await asyncio.wrap_future(cmd.done)
         return [s.outputs for s in streams]
@@ -205,6 +207,7 @@ class AsyncEngine:
                     cmd.cache_salt,
                     tenant=cmd.tenant,
                     priority=cmd.priority,
+                    deadline_s=cmd.deadline_s,
                 )
                 added.append(request_id)
                 pinned = engine.output(request_id).adapter  # the first admission pins the revision

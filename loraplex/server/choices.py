@@ -32,6 +32,7 @@ async def run_choices(
     tenant: str | None = None,
     cache_salt: str | None = None,
     priority: int = 0,
+    deadline_s: float | None = None,
 ) -> list[asyncio.Queue[OutputDelta]]:
     """Admit every choice in one engine command: all or none, and all on one adapter revision, so
     a registration in between cannot split one response across two revisions."""
@@ -41,6 +42,7 @@ async def run_choices(
         tenant,
         cache_salt,
         priority,
+        deadline_s,
     )
 
 

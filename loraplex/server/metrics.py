@@ -94,7 +94,11 @@ class ServerMetrics(StepObserver):
         self.prefix_evictions = Counter(
             "loraplex_prefix_cache_evictions", "Cached KV blocks whose room was taken back", registry=r
         )
-        self.preemptions = Counter("loraplex_preemptions", "Sequences preempted for KV space", registry=r)
+        self.preemptions = Counter(
+            "loraplex_preemptions",
+            "Sequences preempted: for KV space, or for a slot taken by a tenant under its share",
+            registry=r,
+        )
         self.graph_replays = Counter(
             "loraplex_cuda_graph_replays", "Decode steps run as CUDA-graph replays", registry=r
         )

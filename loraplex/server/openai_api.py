@@ -206,6 +206,7 @@ async def _respond(
             _tenant(request),
             prepared.cache_salt,
             prepared.priority,
+            prepared.deadline_s,
         )
     except UnknownAdapterError as err:
         raise _not_found(prepared.model, err) from None

@@ -40,6 +40,7 @@ class PreparedRequest:
     chat: bool
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     priority: int = 0  # among the tenant's own requests (engine/policies.py)
+    deadline_s: float | None = None  # the first token's deadline, seconds after arrival
 
 
 class RequestPreparer:
@@ -249,8 +250,17 @@ class RequestPreparer:
     ) -> PreparedRequest:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         adapter = None if req.model == self.served_model else req.model
+        deadline_s = None if req.deadline_ms is None else req.deadline_ms / 1000
         return PreparedRequest(
-            req.model, adapter, runs, req.stream, include_usage, chat, req.cache_salt, req.priority
+            req.model,
+            adapter,
+            runs,
+            req.stream,
+            include_usage,
+            chat,
+            req.cache_salt,
+            req.priority,
+            deadline_s,
         )
 
 

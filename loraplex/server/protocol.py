@@ -18,6 +18,7 @@ from loraplex.server.errors import APIError
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "ErrorResponse"]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_DEADLINE_MS = 3_600_000
 
 
 class ErrorDetail(BaseModel):
@@ -68,6 +69,10 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # Admission order among the tenant's own requests under the adaptive policy (higher first).
     priority: int = Field(default=0, ge=-1000, le=1000)
+    # The first token's deadline, in milliseconds after the request arrives: the adaptive policy
+    # admits the request ahead of fairness as it nears, and /metrics counts the misses. Up to an
+    # hour: a longer one could never be the reason a request goes first.
+    deadline_ms: float | None = Field(default=None, gt=0, le=MAX_DEADLINE_MS)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

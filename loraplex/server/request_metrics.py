@@ -70,11 +70,10 @@ class RequestLabels:
 def deadline_of(seq: Sequence) -> float | None:
     """The request's time-to-first-token deadline in seconds after arrival, if it has one.
 
-    The hook for the scheduler's deadlines: a request counts toward the deadline series when its
-    sequence (or its sampling parameters) carries `deadline_s`, with the simulator's meaning
-    (`bench/workloads.py`): the first token is due that many seconds after arrival.
-    `Engine.add_request(deadline_s=...)` sets it; the HTTP API takes no deadline yet, so on a
-    server these series stay at zero.
+    A request counts toward the deadline series when its sequence (or its sampling parameters)
+    carries `deadline_s`, with the simulator's meaning (`bench/workloads.py`): the first token is
+    due that many seconds after arrival. `Engine.add_request(deadline_s=...)` sets it; on a server,
+    the request body's `deadline_ms`.
     """
     for holder in (seq, seq.params):
         value = getattr(holder, "deadline_s", None)

@@ -11,6 +11,7 @@ from loraplex.bench.sim_cost import H200
 from loraplex.bench.sim_report import summarize
 from loraplex.bench.simulate import POLICIES, Policy, SimConfig, SimRun, simulate
 from loraplex.bench.workloads import Workload, WorkloadSpec, generate
+from loraplex.config import SchedulerConfig
 
 PROMPTS, OUTPUTS = "uniform:128:512", "uniform:32:128"
 
@@ -25,6 +26,10 @@ def _on_adapter(work: Workload, tenant: str, adapter: int) -> Workload:
     independently of tenants)."""
     reqs = [dataclasses.replace(r, adapter=adapter) if r.tenant == tenant else r for r in work.requests]
     return Workload(work.spec, work.adapter_ranks, reqs)
+
+
+def _with(policy: Policy, **knobs: int | str) -> Policy:
+    return dataclasses.replace(policy, knobs=(*policy.knobs, *knobs.items()))
 
 
 def test_a_flooding_tenant_keeps_its_hands_off_the_other_tenants_latency_and_share() -> None:
@@ -117,3 +122,35 @@ def test_no_request_starves_past_the_bound() -> None:
     fcfs, _ = _run(work, POLICIES["fcfs"], sim)
     assert max(q.ttft for q in run.requests) <= limit
     assert sum(q.ttft > limit for q in fcfs.requests) > 10
+
+
+def test_a_tenant_that_took_every_slot_first_gives_slots_up_to_a_backlogged_one() -> None:
+    # Tenant a's 128 long requests (1,000-1,500 output tokens) all arrive at t=0 and take the 64
+    # slots, its first to finish only ~10 s later; tenant b asks for short ones at 4/s from t=1 s.
+    # Fair admission alone gives b the next free slot, which takes ~10 s to come; the adaptive
+    # running set lets a request of b that waited `displace_after_ms` take a slot from a.
+    spec = WorkloadSpec(
+        seed=6, num_requests=168, num_adapters=4, arrivals="poisson:4", tenants="a:1,b:1",
+        prompt_len=PROMPTS, output_len=OUTPUTS,
+    )  # fmt: skip
+    gen = generate(spec)
+    long = dataclasses.replace(spec, output_len="uniform:1000:1500")
+    a = [
+        dataclasses.replace(r, index=i, tenant="a", arrival_s=0.0, output_len=q.output_len)
+        for i, (r, q) in enumerate(zip(gen.requests[:128], generate(long).requests, strict=False))
+    ]
+    b = [
+        dataclasses.replace(r, index=128 + i, tenant="b", arrival_s=1.0 + i / 4)
+        for i, r in enumerate(gen.requests[128:])
+    ]
+    work = Workload(spec, gen.adapter_ranks, a + b)
+    runs = {
+        "adaptive": _run(work, POLICIES["adaptive"])[1],
+        "fcfs": _run(work, POLICIES["fcfs"])[1],
+        "fair admission only": _run(work, _with(POLICIES["adaptive"], decode_policy="fcfs"))[1],
+    }
+    b_p99 = {name: s["by_tenant"]["b"]["ttft_p99_s"] for name, s in runs.items()}
+    assert b_p99["adaptive"] < SchedulerConfig().displace_after_ms / 1000 + 0.25, b_p99
+    assert b_p99["fcfs"] > 5 and b_p99["fair admission only"] > 5, b_p99
+    # a keeps the slots b does not ask for
+    assert runs["adaptive"]["by_tenant"]["a"]["service_share"] > 0.8, runs["adaptive"]["by_tenant"]

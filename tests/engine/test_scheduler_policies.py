@@ -1,16 +1,21 @@
 """Admission-order policies (engine/policies.py): the adaptive policy's order on the bare scheduler,
-and on a real (tiny) engine, on the CPU, the same per-request outputs as FCFS (a policy changes
-order, never outputs) with cancellation at every phase freeing everything."""
+and on a real (tiny) engine, on the CPU, the same per-request outputs as FCFS in another admission
+order, with preemptions (engine/decode_policies.py) and cancellation at every phase freeing
+everything; greedy outputs equal transformers + PEFT's (a policy changes order, never outputs)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+from helpers.reference import load_peft_mixture, mixed_batch_greedy
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
 from loraplex.config import CacheConfig, EngineConfig, SchedulerConfig
+from loraplex.demo import DEMO_MODEL_DIR
 from loraplex.engine.engine import Engine
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence
@@ -106,13 +111,17 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
         make_peft_adapter(hf, root / f"a{i}", r=8, target_modules=["q_proj", "v_proj"], seed=500 + i)
         for i in range(3)
     ]
-    return {"model_dir": model_dir, "paths": paths}
+    return {"model_dir": model_dir, "paths": paths, "hf": hf}
 
 
-def _engine(env: dict, policy: str) -> Engine:
+def _engine(env: dict, policy: str, num_blocks: int = 64, displace_after_ms: int = 500) -> Engine:
     # 3 sequences and 48 tokens a step: most requests wait, so the two policies order them differently.
-    sched = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=48, policy=policy, locality_window_ms=5)
-    config = EngineConfig(model_dir=str(env["model_dir"]), cache=CacheConfig(num_blocks=64), scheduler=sched)
+    sched = SchedulerConfig(
+        max_num_seqs=3, max_num_batched_tokens=48, policy=policy, locality_window_ms=5,
+        displace_after_ms=displace_after_ms,
+    )  # fmt: skip
+    cache = CacheConfig(num_blocks=num_blocks)
+    config = EngineConfig(model_dir=str(env["model_dir"]), cache=cache, scheduler=sched)
     llm = LLM.from_config(config)
     for i, path in enumerate(env["paths"]):
         llm.register_adapter(f"a{i}", path)
@@ -132,19 +141,35 @@ def _requests() -> list[tuple[str, list[int], str | None, str, int, SamplingPara
     return out
 
 
-def _run(e: Engine, abort_at: tuple[int, ...] = ()) -> tuple[dict[str, list[int]], set[str]]:
-    """Run every request; at each step in `abort_at`, cancel one in the next phase of
-    (queued, prefilling, decoding) that has one."""
-    for rid, prompt, adapter, tenant, priority, params in _requests():
-        e.add_request(rid, prompt, params, adapter, tenant=tenant, priority=priority)
+@dataclass
+class _Ran:
+    outputs: dict[str, list[int]]  # request id -> generated token ids
+    aborted: set[str] = field(default_factory=set)
+    order: list[str] = field(default_factory=list)  # request ids in the order they first got rows
+    preemptions: int = 0
+
+
+def _run(e: Engine, abort_at: tuple[int, ...] = (), late: str | None = None) -> _Ran:
+    """Run every request (those of tenant `late` only after the first step); at each step in
+    `abort_at`, cancel one in the next phase of (queued, prefilling, decoding) that has one."""
+
+    def add(now: bool) -> None:
+        for rid, prompt, adapter, tenant, priority, params in _requests():
+            if (tenant != late) == now:
+                e.add_request(rid, prompt, params, adapter, tenant=tenant, priority=priority)
+
+    add(now=True)
     phases = [
         lambda s: s in e.scheduler.waiting,
         lambda s: s in e.scheduler.running and not s.output_token_ids,
         lambda s: s in e.scheduler.running and bool(s.output_token_ids),
     ]
-    aborted: set[str] = set()
+    ran = _Ran({})
+    aborted = ran.aborted
     step = 0
     while e.has_unfinished():
+        if step == 1 and late is not None:
+            add(now=False)
         if step in abort_at and phases:
             live = [s for s in e._seqs.values() if not s.is_finished]
             for i, phase in enumerate(phases):
@@ -156,23 +181,95 @@ def _run(e: Engine, abort_at: tuple[int, ...] = ()) -> tuple[dict[str, list[int]
                     break
         e.step()
         e.check_integrity()
+        stats = e.last_stats
+        assert stats is not None
+        ran.order += [rid for rid in stats.rows_per_request if rid not in ran.order]
+        ran.preemptions += len(stats.preempted)
         step += 1
-    return {rid: e.output(rid).token_ids for rid, *_ in _requests()}, aborted
+    ran.outputs = {rid: e.output(rid).token_ids for rid, *_ in _requests()}
+    return ran
 
 
-def test_the_adaptive_policy_changes_the_order_never_the_outputs(env: dict) -> None:
-    fcfs, _ = _run(_engine(env, "fcfs"))
-    assert _run(_engine(env, "adaptive"))[0] == fcfs
+@pytest.fixture(scope="module")
+def fcfs(env: dict) -> _Ran:
+    return _run(_engine(env, "fcfs"))
 
 
-def test_cancelling_at_every_phase_frees_everything(env: dict) -> None:
+@pytest.fixture(scope="module")
+def peft_greedy(env: dict) -> dict[str, list[int]]:
+    """transformers + PEFT's tokens for each greedy request."""
+    greedy = [r for r in _requests() if r[5].temperature == 0.0]
+    model = load_peft_mixture(env["hf"], {f"a{i}": p for i, p in enumerate(env["paths"])})
+    steps = max(r[5].max_tokens for r in greedy)
+    runs = mixed_batch_greedy(model, [r[1] for r in greedy], [r[2] for r in greedy], steps)
+    return {r[0]: run.tokens[: r[5].max_tokens] for r, run in zip(greedy, runs, strict=True)}
+
+
+def test_the_adaptive_policy_changes_the_order_never_the_outputs(
+    env: dict, fcfs: _Ran, peft_greedy: dict[str, list[int]]
+) -> None:
+    assert fcfs.order == [rid for rid, *_ in _requests()] and fcfs.preemptions == 0
+    adaptive = _run(_engine(env, "adaptive"))
+    # The comparison means something only if the order really differed.
+    assert adaptive.order != fcfs.order and sorted(adaptive.order) == sorted(fcfs.order)
+    assert adaptive.outputs == fcfs.outputs
+    for rid, tokens in peft_greedy.items():
+        assert fcfs.outputs[rid] == tokens, rid
+
+
+def test_preempting_for_kv_space_changes_no_output(
+    env: dict, fcfs: _Ran, peft_greedy: dict[str, list[int]]
+) -> None:
+    # 5 blocks of 16 for 3 sequences of up to 39 tokens (3 blocks): running ones are preempted.
+    for policy in ("fcfs", "adaptive"):
+        tight = _run(_engine(env, policy, num_blocks=5))
+        assert tight.preemptions > 0, policy
+        assert tight.outputs == fcfs.outputs, policy
+        for rid, tokens in peft_greedy.items():
+            assert tight.outputs[rid] == tokens, (policy, rid)
+
+
+def test_a_late_tenant_displacing_running_sequences_changes_no_output(env: dict, fcfs: _Ran) -> None:
+    # Tenant a's requests fill the 3 slots before b's arrive; KV never runs short here, so every
+    # preemption is b, under its share of the slots, taking one from a (engine/decode_policies.py).
+    late = _run(_engine(env, "adaptive", displace_after_ms=0), late="b")
+    assert late.preemptions > 0
+    assert late.outputs == fcfs.outputs
+
+
+def test_cancelling_at_every_phase_frees_everything(env: dict, fcfs: _Ran) -> None:
     e = _engine(env, "adaptive")
-    outs, aborted = _run(e, abort_at=(0, 1, 2, 3, 4, 5, 6, 7, 8))
+    ran = _run(e, abort_at=(0, 1, 2, 3, 4, 5, 6, 7, 8))
+    aborted = ran.aborted
     assert len(aborted) == 3  # one queued, one prefilling, one decoding
-    reference, _ = _run(_engine(env, "fcfs"))
-    for rid, tokens in outs.items():
+    for rid, tokens in ran.outputs.items():
         if rid not in aborted:
-            assert tokens == reference[rid], rid
+            assert tokens == fcfs.outputs[rid], rid
     # nothing waits or runs, and check_integrity (every step) found no block or adapter hold
     # but the live requests'
     assert not e.scheduler.waiting and not e.scheduler.running
+
+
+def test_llm_generate_passes_priorities_and_deadlines_and_bad_deadlines_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    llm = LLM(str(DEMO_MODEL_DIR))
+    engine = llm.engine
+    seen: list[tuple[float | None, int]] = []
+    original = engine.add_request
+
+    def add_request(request_id: str, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401
+        original(request_id, *args, **kwargs)
+        seq = engine.sequence(request_id)
+        seen.append((seq.deadline_s, seq.priority))
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    params = SamplingParams(max_tokens=1)
+    llm.generate(["ab=", "cd="], params, deadline_s=[0.5, None], priority=[2, 0])
+    assert seen == [(0.5, 2), (None, 0)]
+    bad = (0, -1.0, float("nan"), float("inf"))
+    for deadline in bad:
+        with pytest.raises(ValueError, match="deadline_s must be a positive number of seconds"):
+            llm.generate(["ab=", "cd="], params, deadline_s=[1.0, deadline])
+    # each refused batch's first request was admitted, then withdrawn with the batch
+    assert seen[2:] == [(1.0, 0)] * len(bad) and not engine.has_unfinished()

@@ -1,102 +1,17 @@
-"""The scheduler on its own: plans over sequences and block ids, no model and no tensors.
-
-`Stepper` stands in for the engine between plans: it adds each chunk's rows to the sequence's
-computed count and, when the chunk completes the sequence's known tokens, appends a token and
-finishes the request at `max_tokens`. After every plan it checks the bookkeeping the engine
-relies on (docs/architecture.md, "KV accounting"). `ScheduledChunk.completes` reads the live
-sequence, so it only means something before the step is applied: `Stepper.sampled` keeps it.
+"""The scheduler on its own: plans over sequences and block ids, no model and no tensors, stepped
+by `helpers.scheduler_steps.Stepper` (the engine's part between plans, with the bookkeeping checks).
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
+from helpers.scheduler_steps import BS, Stepper, rows
 
 from loraplex.config import SchedulerConfig
-from loraplex.engine.scheduler import Scheduler, StepPlan
-from loraplex.engine.sequence import Sequence, SequenceStatus
-from loraplex.kv.block_pool import BlockPool
-from loraplex.types import SamplingParams
-
-BS = 4  # block size
-
-
-def blocks(tokens: int) -> int:
-    return -(-tokens // BS)
-
-
-class Stepper:
-    def __init__(self, num_blocks: int, budget: int = 2048, max_num_seqs: int = 64) -> None:
-        self.pool = BlockPool(num_blocks)
-        self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-        self.sched = Scheduler(self.config, self.pool, BS)
-        self._arrivals = itertools.count()
-        self.seqs: list[Sequence] = []
-        self.sampled: list[str] = []  # request ids whose chunk completed in the last step
-
-    def make(self, rid: str, prompt_len: int, max_tokens: int = 16, arrival: int | None = None) -> Sequence:
-        return Sequence(
-            request_id=rid,
-            prompt_token_ids=list(range(1, prompt_len + 1)),
-            params=SamplingParams(max_tokens=max_tokens),
-            adapter=None,
-            arrival=next(self._arrivals) if arrival is None else arrival,
-        )
-
-    def add(self, rid: str, prompt_len: int, max_tokens: int = 16) -> Sequence:
-        seq = self.make(rid, prompt_len, max_tokens)
-        self.sched.add(seq)
-        self.seqs.append(seq)
-        return seq
-
-    def step(self) -> StepPlan:
-        plan = self.sched.schedule()
-        self._check_plan(plan)
-        completing = [c.seq for c in plan.chunks if c.completes]
-        self.sampled = [s.request_id for s in completing]
-        for chunk in plan.chunks:
-            chunk.seq.num_computed += chunk.num_tokens
-        for seq in completing:
-            seq.output_token_ids.append(1000 + len(seq.output_token_ids))
-            if len(seq.output_token_ids) == seq.params.max_tokens:
-                self.sched.finish(seq)
-        self.check()
-        return plan
-
-    def _check_plan(self, plan: StepPlan) -> None:
-        seqs = [c.seq for c in plan.chunks]
-        assert len(set(map(id, seqs))) == len(seqs), "a sequence planned twice in one step"
-        assert plan.num_rows <= self.config.max_num_batched_tokens
-        assert seqs == [s for s in self.sched.running if s in seqs], "chunks not in running order"
-        assert len(self.sched.running) <= self.config.max_num_seqs
-        for c in plan.chunks:
-            assert c.seq.status is SequenceStatus.RUNNING
-            assert 1 <= c.num_tokens <= c.seq.num_uncomputed
-            # the blocks for this step's rows are already there, and no more
-            assert len(c.seq.block_ids) == blocks(c.seq.num_computed + c.num_tokens)
-            one_new_row = c.num_tokens == c.seq.num_uncomputed == 1 and bool(c.seq.output_token_ids)
-            assert c.is_decode == one_new_row
-
-    def check(self) -> None:
-        self.pool.check_integrity()
-        running, waiting = self.sched.running, self.sched.waiting
-        owned = [b for s in running for b in s.block_ids]
-        assert len(owned) == len(set(owned)) == self.pool.num_used, "KV blocks leaked or shared"
-        for s in running:
-            assert s.status is SequenceStatus.RUNNING
-            assert len(s.block_ids) == blocks(s.num_computed)
-        for s in waiting:
-            assert s.status is SequenceStatus.WAITING
-            assert s.block_ids == [] and s.num_computed == 0
-        arrivals = [s.arrival for s in running] + [s.arrival for s in waiting]
-        assert arrivals == sorted(arrivals), "running, then waiting, each in arrival order"
-
-
-def rows(plan: StepPlan) -> list[tuple[str, int]]:
-    return [(c.seq.request_id, c.num_tokens) for c in plan.chunks]
-
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sequence import SequenceStatus
 
 # --- order and budget ---------------------------------------------------------------------------
 
@@ -289,14 +204,26 @@ def test_finish_frees_blocks_of_running_and_forgets_waiting() -> None:
     st.check()
 
 
-def test_random_workloads_keep_the_bookkeeping_and_finish() -> None:
+# The adaptive policies reorder admission and pick victims and displacements (here without a wait)
+# by tenant, priority and weight: the same bookkeeping must hold and every request finish.
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        {"policy": "adaptive", "displace_after_ms": 0},
+        {"policy": "adaptive", "displace_after_ms": 0, "tenant_weights": "a:2,b:0.5"},
+    ],
+)
+def test_random_workloads_keep_the_bookkeeping_and_finish(knobs: dict[str, str | int]) -> None:
     rnd = random.Random(15)
+    who = random.Random(16)  # tenants and priorities (the workloads stay those of `rnd`)
     preemptions = 0
     for trial in range(30):
         st = Stepper(
             num_blocks=rnd.randint(6, 16),
             budget=rnd.choice([3, 5, 8, 16, 64]),
             max_num_seqs=rnd.randint(1, 6),
+            **knobs,
         )
         todo = [(f"r{trial}.{i}", rnd.randint(1, 12), rnd.randint(1, 10)) for i in range(rnd.randint(1, 8))]
         # every request fits the pool on its own (the engine refuses the others at add_request)
@@ -305,7 +232,7 @@ def test_random_workloads_keep_the_bookkeeping_and_finish() -> None:
         steps = 0
         while todo or st.sched.has_work():
             if todo and rnd.random() < 0.5:
-                added.append(st.add(*todo.pop(0)))
+                added.append(st.add(*todo.pop(0), tenant=who.choice("abc"), priority=who.randint(-1, 1)))
             st.step()
             steps += 1
             assert steps < 2000, "no progress"

@@ -73,7 +73,7 @@ def test_series_move_with_requests_and_adapter_labels_are_capped(server) -> None
     occupancy = _value(text, "loraplex_step_batch_occupancy_ratio_sum")
     assert 0 < occupancy <= steps  # rows / budget is a fraction
     assert _value(text, "loraplex_step_lora_segments_sum") >= 4  # each adapter ran in some step
-    # No request carries a deadline yet: the deadline series exist in the text only once one does.
+    # No request here carries a deadline: the deadline series exist in the text only once one does.
     assert "loraplex_deadline_misses_total{" not in text
     # A tenant's view (here the open data plane's): its own tenant, never `_other`, which sums
     # adapters and tenants it may not see.
