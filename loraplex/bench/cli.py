@@ -173,6 +173,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from loraplex.bench.sim_cli import add_parser as add_simulate  # loads no torch
 
     add_simulate(sub)
+    from loraplex.bench.prefix_cli import add_parser as add_prefix  # loads no torch
+
+    add_prefix(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

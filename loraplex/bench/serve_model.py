@@ -24,6 +24,8 @@ class ServeBenchArgs:
     workdir: str = "bench-results/serve-checkpoint"  # random weights as files, for --hf-compare
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    dtype: str | None = None  # None: bfloat16 (random weights; a model directory's off the CPU), else float32
+    prefix_caching: bool = True
     base_compare: bool = True
     url: str | None = None  # benchmark a running server instead
     api_key: str | None = None
@@ -83,7 +85,9 @@ def _sized_config(args: ServeBenchArgs, workload: Workload, model_dir: str, dtyp
         model_dir=model_dir,
         dtype=dtype,
         device=args.device,
-        cache=CacheConfig(block_size=16, max_model_len=longest + 1),
+        cache=CacheConfig(
+            block_size=16, max_model_len=longest + 1, enable_prefix_caching=args.prefix_caching
+        ),
         lora=LoRAConfig(max_rank=max([64, *workload.adapter_ranks])),
         scheduler=sched,
     )
@@ -94,7 +98,7 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
     that came from one (the transformers + PEFT baseline loads those)."""
     import torch
 
-    from loraplex.config import EngineConfig, SchedulerConfig
+    from loraplex.config import CacheConfig, EngineConfig, SchedulerConfig
     from loraplex.engine.engine import Engine
 
     spec = args.workload
@@ -104,7 +108,14 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
     if args.smoke or (args.model is None and args.random_layers is None):
         from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
 
-        engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=args.device, scheduler=sched))
+        config = EngineConfig(
+            model_dir=str(DEMO_MODEL_DIR),
+            device=args.device,
+            dtype=args.dtype or "float32",
+            cache=CacheConfig(enable_prefix_caching=args.prefix_caching),
+            scheduler=sched,
+        )
+        engine = Engine(config)
         demo = list(DEMO_ADAPTERS.items())
         names = []
         for i in range(spec.num_adapters):
@@ -112,8 +123,12 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
             names.append(engine.register_adapter(name, path).name)
         return engine, names, {name: str(path) for name, path in demo}
     if args.model is not None:
-        dtype = "float32" if args.device == "cpu" else "bfloat16"
-        engine = Engine(EngineConfig(model_dir=args.model, device=args.device, dtype=dtype, scheduler=sched))
+        cache = CacheConfig(enable_prefix_caching=args.prefix_caching)
+        engine = Engine(
+            EngineConfig(
+                model_dir=args.model, device=args.device, dtype=_dir_dtype(args), cache=cache, scheduler=sched
+            )
+        )
     else:
         from loraplex.bench.engine import llama3_8b_hf_dict, random_model, tiny_hf_dict
         from loraplex.config import ModelConfig
@@ -124,8 +139,8 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
         if args.hf_compare:
             return _from_checkpoint(args, workload, hf_dict, sched)
         mc = ModelConfig.from_hf_dict(hf_dict)
-        config = _sized_config(args, workload, "<random weights>", "bfloat16", sched)
-        model = random_model(mc, torch.bfloat16, torch.device(args.device), spec.seed)
+        config = _sized_config(args, workload, "<random weights>", args.dtype or "bfloat16", sched)
+        model = random_model(mc, config.torch_dtype, torch.device(args.device), spec.seed)
         engine = Engine(config, model=model, tokenizer=bench_tokenizer(mc.vocab_size))
     from loraplex.bench.engine import random_adapter
 
@@ -148,7 +163,11 @@ def _from_checkpoint(
     model_dir, adapter_dirs = write_random_checkpoint(
         hf_dict, workload.adapter_ranks, Path(args.workdir), args.device, args.workload.seed
     )
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
-    engine = Engine(_sized_config(args, workload, model_dir, dtype, sched))
+    engine = Engine(_sized_config(args, workload, model_dir, _dir_dtype(args), sched))
     names = [engine.register_adapter(name, path).name for name, path in adapter_dirs.items()]
     return engine, names, adapter_dirs
+
+
+def _dir_dtype(args: ServeBenchArgs) -> str:
+    """A model directory's dtype: as asked, else float32 on the CPU and bfloat16 elsewhere."""
+    return args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
