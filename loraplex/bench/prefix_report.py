@@ -50,6 +50,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"{st['graph_captures']} CUDA graphs); after it: {after['kernel_compiles']} compiles, "
         f"{after['graph_captures']} captures (rehearsal included), during the measured runs: "
         f"{measured['kernel_compiles']} compiles, {measured['graph_captures']} captures",
+    ]
+    if "cache_off_startup" in report:  # (its kernel compile count is the whole process's)
+        off = report["cache_off_startup"]["warmup_s"]
+        lines.append(f"second engine (no prefix cache): startup warm-up {off:.1f} s")
+    lines += [
         "",
         "| run | TTFT p50 ms | p90 | p99 | mean | cached tokens per request mean (min - max) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
