@@ -151,7 +151,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="rows of the largest step with prefill chunks that replays a CUDA graph (0: decode steps only)",
     )
     s.add_argument(
-        "--admission-batch-tokens", type=int, help="prompt tokens a decode-only step waits for before admitting"
+        "--admission-batch-tokens", type=int, help="prompt tokens a decode-only step waits for to admit"
     )
     s.add_argument("--no-base-compare", action="store_true", help="skip the same workload base-only")
     s.add_argument(
@@ -183,6 +183,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from loraplex.bench.sim_cli import add_parser as add_simulate  # loads no torch
 
     add_simulate(sub)
+    from loraplex.bench.prefix_cli import add_parser as add_prefix  # loads no torch
+
+    add_prefix(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

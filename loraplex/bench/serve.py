@@ -17,14 +17,31 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.bench.gpu_busy import BusyWindow
 from loraplex.bench.serve_metrics import RequestTiming, StepRecord, summarize
 from loraplex.bench.serve_model import ServeBenchArgs, build_engine, prompt_ids
 from loraplex.bench.workloads import Workload, WorkloadRequest, generate
 
+if TYPE_CHECKING:
+    from loraplex.types import RequestOutput
+
 BUSY_STEPS = 64
+
+
+@dataclass
+class Replay:
+    """How `run_in_process` makes and keeps requests, beyond the workload's own fields."""
+
+    # A request's prompt (default: its text, else random token ids from the workload's seed).
+    prompt_of: Callable[[WorkloadRequest], str | list[int]] | None = None
+    cache_salt: str | None = None  # every request's prefix-cache salt
+    logprobs: int | None = None  # top logprobs per generated token
+    # Filled with each finished request's output, by workload index, and its timing.
+    outputs: dict[int, RequestOutput] | None = None
+    timings: list[RequestTiming] | None = None
+    label: str | None = None  # the progress bar's description
 
 
 @dataclass
@@ -42,13 +59,16 @@ def run_in_process(
     progress: bool,
     tier_of: Callable[[str], str] | None = None,
     skip_first: int = 0,
+    replay: Replay | None = None,
 ) -> dict[str, Any]:
     """Replay `workload` on `engine`; returns the summary (see serve_metrics.summarize).
     `tier_of(adapter name)`: the residency tier the adapter is in as its request arrives (the
     summary then splits latencies by it). `skip_first`: requests of a lower index are replayed
     but left out of the summary, whose clock then starts at the first kept arrival (a cold cache
-    warms up in them)."""
+    warms up in them). `replay`: prompts, cache salt, logprobs, outputs kept (see `Replay`)."""
     from loraplex.types import SamplingParams
+
+    replay = replay or Replay()
 
     reqs = workload.requests
     vocab = engine.model_config.vocab_size
@@ -57,7 +77,8 @@ def run_in_process(
     live: dict[str, _Live] = {}
     done: list[RequestTiming] = []
     steps: list[StepRecord] = []
-    bar = _progress(len(reqs), "base-only" if base_only else "with adapters", progress)
+    what = "base-only" if base_only else "with adapters"
+    bar = _progress(len(reqs), replay.label or f"bench serve ({what})", progress)
     # GPU busy over a window of the steady part: from a quarter of the requests done, for at most
     # BUSY_STEPS steps or until three quarters are done (the profiler's event list grows with it).
     busy = BusyWindow()
@@ -73,12 +94,19 @@ def run_in_process(
             req = pending.pop(0)
             rid = f"w{req.index}"
             adapter = None if base_only or req.adapter is None else names[req.adapter]
-            params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-            prompt = req.prompt if req.prompt is not None else prompt_ids(req, vocab, workload.spec.seed)
+            params = SamplingParams(
+                max_tokens=req.output_len, temperature=0.0, ignore_eos=True, logprobs=replay.logprobs
+            )
+            if replay.prompt_of is not None:
+                prompt: str | list[int] = replay.prompt_of(req)
+            elif req.prompt is not None:
+                prompt = req.prompt
+            else:
+                prompt = prompt_ids(req, vocab, workload.spec.seed)
             arrival = now if concurrency is not None else (req.arrival_s or 0.0)
             tier = "base" if adapter is None else (tier_of(adapter) if tier_of is not None else None)
             t_add = time.perf_counter() - start
-            engine.add_request(rid, prompt, params, adapter)
+            engine.add_request(rid, prompt, params, adapter, cache_salt=replay.cache_salt)
             timing = RequestTiming(
                 req.index,
                 req.tenant,
@@ -122,7 +150,12 @@ def run_in_process(
             if delta.finished:
                 item.timing.finish_s = t1 - start
                 item.timing.output_tokens = item.last_tokens
-                item.timing.prompt_tokens = len(engine.output(delta.request_id).prompt_token_ids)
+                out = engine.output(delta.request_id, copy_prompt=False)
+                item.timing.prompt_tokens = len(out.prompt_token_ids)
+                if replay.outputs is not None:
+                    replay.outputs[item.req.index] = out
+                if replay.timings is not None:
+                    replay.timings.append(item.timing)
                 engine.release(delta.request_id)
                 done.append(item.timing)
                 del live[delta.request_id]
@@ -144,10 +177,10 @@ def run_in_process(
     return summary
 
 
-def _progress(total: int, what: str, enabled: bool) -> Any:  # noqa: ANN401
+def _progress(total: int, desc: str, enabled: bool) -> Any:  # noqa: ANN401
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"bench serve ({what})", unit="req", disable=not enabled, leave=False)
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False)
 
 
 def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True) -> dict[str, Any]:

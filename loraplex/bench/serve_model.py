@@ -27,6 +27,8 @@ class ServeBenchArgs:
     # engine settings worth comparing in one run (None: the engine's default)
     graph_max_tokens: int | None = None  # rows of the largest step with prefill that replays a graph
     admission_batch_tokens: int | None = None
+    dtype: str | None = None  # None: bfloat16 (random weights; a model directory's off the CPU), else float32
+    prefix_caching: bool = True
     base_compare: bool = True
     url: str | None = None  # benchmark a running server instead
     api_key: str | None = None
@@ -86,7 +88,9 @@ def _sized_config(args: ServeBenchArgs, workload: Workload, model_dir: str, dtyp
         model_dir=model_dir,
         dtype=dtype,
         device=args.device,
-        cache=CacheConfig(block_size=16, max_model_len=longest + 1),
+        cache=CacheConfig(
+            block_size=16, max_model_len=longest + 1, enable_prefix_caching=args.prefix_caching
+        ),
         lora=LoRAConfig(max_rank=max([64, *workload.adapter_ranks])),
         scheduler=sched,
         graphs=GraphConfig(cuda_graph_max_tokens=args.graph_max_tokens),
@@ -98,7 +102,7 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
     that came from one (the transformers + PEFT baseline loads those)."""
     import torch
 
-    from loraplex.config import EngineConfig, GraphConfig, SchedulerConfig
+    from loraplex.config import CacheConfig, EngineConfig, GraphConfig, SchedulerConfig
     from loraplex.engine.engine import Engine
 
     spec = args.workload
@@ -111,7 +115,14 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
     if args.smoke or (args.model is None and args.random_layers is None):
         from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
 
-        config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=args.device, scheduler=sched, graphs=graphs)
+        config = EngineConfig(
+            model_dir=str(DEMO_MODEL_DIR),
+            device=args.device,
+            dtype=args.dtype or "float32",
+            cache=CacheConfig(enable_prefix_caching=args.prefix_caching),
+            scheduler=sched,
+            graphs=graphs,
+        )
         engine = Engine(config)
         demo = list(DEMO_ADAPTERS.items())
         names = []
@@ -120,8 +131,9 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
             names.append(engine.register_adapter(name, path).name)
         return engine, names, {name: str(path) for name, path in demo}
     if args.model is not None:
-        dtype = "float32" if args.device == "cpu" else "bfloat16"
-        config = EngineConfig(args.model, device=args.device, dtype=dtype, scheduler=sched, graphs=graphs)
+        cache = CacheConfig(enable_prefix_caching=args.prefix_caching)
+        config = EngineConfig(args.model, device=args.device, dtype=_dir_dtype(args), cache=cache)
+        config = replace(config, scheduler=sched, graphs=graphs)
         engine = Engine(config)
     else:
         from loraplex.bench.engine import llama3_8b_hf_dict, random_model, tiny_hf_dict
@@ -133,8 +145,8 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
         if args.hf_compare:
             return _from_checkpoint(args, workload, hf_dict, sched)
         mc = ModelConfig.from_hf_dict(hf_dict)
-        config = _sized_config(args, workload, "<random weights>", "bfloat16", sched)
-        model = random_model(mc, torch.bfloat16, torch.device(args.device), spec.seed)
+        config = _sized_config(args, workload, "<random weights>", args.dtype or "bfloat16", sched)
+        model = random_model(mc, config.torch_dtype, torch.device(args.device), spec.seed)
         engine = Engine(config, model=model, tokenizer=bench_tokenizer(mc.vocab_size))
     from loraplex.bench.engine import random_adapter
 
@@ -157,7 +169,11 @@ def _from_checkpoint(
     model_dir, adapter_dirs = write_random_checkpoint(
         hf_dict, workload.adapter_ranks, Path(args.workdir), args.device, args.workload.seed
     )
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
-    engine = Engine(_sized_config(args, workload, model_dir, dtype, sched))
+    engine = Engine(_sized_config(args, workload, model_dir, _dir_dtype(args), sched))
     names = [engine.register_adapter(name, path).name for name, path in adapter_dirs.items()]
     return engine, names, adapter_dirs
+
+
+def _dir_dtype(args: ServeBenchArgs) -> str:
+    """A model directory's dtype: as asked, else float32 on the CPU and bfloat16 elsewhere."""
+    return args.dtype or ("float32" if args.device == "cpu" else "bfloat16")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loraplex.bench.plots import pyplot
+from loraplex.bench.plots import pyplot, save
 
 
 def _ms(v: float | None) -> str:
@@ -139,10 +139,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     axes[1].set_ylabel("P99 TTFT (ms)")
     axes[1].legend()
     fig.suptitle(f"bench serve ({report['mode']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save(plt, fig, path)
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.reference import BASE, load_peft_mixture, mixed_batch_greedy, padded_batch
+from helpers.reference import BASE, load_peft_mixture, mixed_batch_greedy, teacher_forced_logprobs
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
@@ -24,17 +24,6 @@ ADAPTERS = {
     "r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     "r32": (32, ["gate_proj", "up_proj", "down_proj"]),
 }
-
-
-@torch.no_grad()
-def _teacher_forced_logprobs(
-    model, seqs: list[list[int]], names: list[str], device: str
-) -> list[torch.Tensor]:  # noqa: ANN001
-    """log_softmax at every position of each full sequence, one right-padded mixed batch."""
-    ids, mask = padded_batch(seqs)
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), adapter_names=names).logits
-    lps = torch.log_softmax(logits.float(), dim=-1).cpu()
-    return [lps[i, : len(s) - 1] for i, s in enumerate(seqs)]
 
 
 @pytest.mark.gpu
@@ -53,10 +42,10 @@ def test_bf16_engine_error_within_transformers_bf16_error(tmp_path: Path) -> Non
     runs = mixed_batch_greedy(ref32, prompts, adapters, STEPS)
     full = [p + r.tokens for p, r in zip(prompts, runs, strict=True)]
     names = [BASE if a is None else a for a in adapters]
-    lp32 = _teacher_forced_logprobs(ref32, full, names, "cpu")
+    lp32 = teacher_forced_logprobs(ref32, full, names, "cpu")
     # cast after loading: PEFT would otherwise keep the adapter weights in float32
     ref16 = load_peft_mixture(copy.deepcopy(hf), paths).to(device="cuda", dtype=torch.bfloat16)
-    lp16 = _teacher_forced_logprobs(ref16, full, names, "cuda")
+    lp16 = teacher_forced_logprobs(ref16, full, names, "cuda")
 
     llm = LLM(model_dir, dtype="bfloat16", device="cuda")
     for name, path in paths.items():

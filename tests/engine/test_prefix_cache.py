@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.engine_runs import run_to_end
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
@@ -66,18 +67,8 @@ def _run(
     salt: str | None = None,
     params: SamplingParams = GREEDY,
 ) -> tuple[RequestOutput, int]:
-    """Run one request to its end, checking the accounting after every step: (its output, the
-    rows computed for it)."""
-    e.add_request(rid, prompt, params, adapter, salt)
-    rows = 0
-    while not e.output(rid).finished:
-        e.step()
-        assert e.last_stats is not None
-        rows += e.last_stats.rows_per_request.get(rid, 0)
-        e.check_integrity()
-    out = e.output(rid)
-    e.release(rid)
-    return out, rows
+    """Run one request to its end (helpers/engine_runs.py), GREEDY unless told."""
+    return run_to_end(e, rid, prompt, params, adapter, salt)
 
 
 def _same(ours: RequestOutput, want: RequestOutput) -> None:

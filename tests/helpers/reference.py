@@ -45,6 +45,21 @@ def padded_batch(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.no_grad()
+def teacher_forced_logprobs(
+    model,  # noqa: ANN001 (a PeftModel holding every adapter of `names`)
+    seqs: Sequence[Sequence[int]],
+    names: Sequence[str],
+    device: str,
+) -> list[torch.Tensor]:
+    """log_softmax at every position of each full sequence, one right-padded mixed batch: row p
+    of a sequence's tensor is the distribution of its token p + 1."""
+    ids, mask = padded_batch(seqs)
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), adapter_names=list(names)).logits
+    lps = torch.log_softmax(logits.float(), dim=-1).cpu()
+    return [lps[i, : len(s) - 1] for i, s in enumerate(seqs)]
+
+
+@torch.no_grad()
 def mixed_batch_greedy(
     model,  # noqa: ANN001 (PeftModel or plain transformers model)
     prompts: Sequence[Sequence[int]],

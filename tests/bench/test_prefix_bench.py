@@ -1,0 +1,69 @@
+"""`loraplex bench prefix --smoke` (the CPU demo model): the report has its fields, the warm run
+finds the system prompt cached for every request and gives the cold run's greedy tokens, and the
+numbers in it agree with its per-request records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loraplex.bench.prefix import PrefixBenchArgs, compare_tokens, ttft_ratios
+from loraplex.bench.serve_metrics import percentiles
+from loraplex.cli import main
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("prefix")
+    assert main(["bench", "prefix", "--smoke", "--quiet", "--out", str(out)]) == 0
+    return json.loads((out / "prefix.json").read_text()), out
+
+
+def test_the_report_has_its_fields(report: tuple[dict, Path]) -> None:
+    r, out = report
+    assert (out / "prefix.md").read_text().startswith("# bench prefix")
+    args = PrefixBenchArgs.smoke_args()
+    assert r["args"]["requests"] == args.requests and r["args"]["prefix_len"] == args.prefix_len
+    assert {"layers", "hidden_size", "vocab_size", "dtype", "block_size"} <= set(r["model"])
+    assert {"python", "torch", "device"} <= set(r["environment"])
+    for section in ("startup", "cache_off_startup"):
+        assert {"warmup_s", "kernel_compiles", "graph_captures"} <= set(r[section])
+    assert set(r["after_startup"]) == set(r["measured_runs"]) == {"kernel_compiles", "graph_captures"}
+    assert {"cold", "prime", "warm", "cache_off"} <= set(r["runs"])
+    for name in ("cold", "warm", "cache_off"):
+        run = r["runs"][name]
+        assert len(run["requests"]) == args.requests
+        assert all(len(q["token_ids"]) == args.output_len for q in run["requests"])
+        assert set(run["ttft_s"]) == {"p50", "p90", "p99", "mean"} and run["ttft_s"]["p50"] > 0
+        # the percentiles are those of the per-request TTFTs kept beside them
+        assert run["ttft_s"] == percentiles([q["ttft_s"] for q in run["requests"]])
+    assert set(r["ratios"]) == {"warm_vs_cold", "warm_vs_cache_off", "cold_vs_cache_off"}
+    assert r["ratios"]["warm_vs_cold"] == ttft_ratios(r["runs"]["warm"], r["runs"]["cold"])
+    assert {"ttft_ratio_max", "ttft_ratio_pass", "identical_outputs"} <= set(r["target"])
+
+
+def test_warm_hits_the_system_prompt_and_equals_cold(report: tuple[dict, Path]) -> None:
+    r, _ = report
+    runs, bs, prefix = r["runs"], r["model"]["block_size"], r["args"]["prefix_len"]
+    warm, cold, off = runs["warm"]["requests"], runs["cold"]["requests"], runs["cache_off"]["requests"]
+    # every warm request found its adapter's system prompt (its full blocks), and no more: its
+    # suffix blocks were cached under the cold run's salt only
+    assert all(q["cached_tokens"] == prefix // bs * bs > 0 for q in warm)
+    assert all(q["cached_tokens"] == 0 for q in off)
+    # each adapter's first cold request found nothing cached
+    assert min(q["cached_tokens"] for q in cold) == 0
+    for a, b, c in zip(cold, warm, off, strict=True):
+        assert a["index"] == b["index"] == c["index"]
+        assert a["token_ids"] == b["token_ids"] == c["token_ids"], a["index"]
+    assert r["outputs"]["warm_vs_cold"]["identical"] == len(warm)
+    assert r["target"]["identical_outputs"] is True
+
+
+def test_compare_tokens_names_the_first_differing_step() -> None:
+    ref = {"requests": [{"index": 0, "token_ids": [5, 6, 7], "margins": [1.0, 0.01, 2.0]}]}
+    same = {"requests": [{"index": 0, "token_ids": [5, 6, 7]}]}
+    other = {"requests": [{"index": 0, "token_ids": [5, 9, 7]}]}
+    assert compare_tokens(ref, same) == {"requests": 1, "identical": 1, "differences": []}
+    assert compare_tokens(ref, other)["differences"] == [{"index": 0, "step": 1, "margin": 0.01}]
