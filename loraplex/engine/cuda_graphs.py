@@ -206,10 +206,9 @@ class StaticStepRunner:
     # --- device side ----------------------------------------------------------------------------
 
     def _prefill_tile_rows(self) -> int:
-        """Rows per tile of the prefill launch the mixed graphs' tile maps are cut for."""
-        if self.device.type != "cuda":
-            return 64  # the torch reference reads no tile map
-        from loraplex.layers.attention_triton import tiling_for
+        """Rows per tile of the prefill launch the mixed graphs' tile maps are cut for (the torch
+        reference reads no tile map)."""
+        from loraplex.layers.attention_tiling import tiling_for
 
         return tiling_for(self.model.config.head_dim).prefill_block_m
 

@@ -107,7 +107,8 @@ def _warm_decode_splits(engine: Engine) -> None:
     (sliding window) layer kind, its K/V not written. q, k and v are views of one qkv row as in
     the model, so the kernels see the strides they see when serving."""
     from loraplex.layers.attention_metadata import AttentionMetadata
-    from loraplex.layers.attention_triton import paged_attention_triton, tiling_for
+    from loraplex.layers.attention_tiling import tiling_for
+    from loraplex.layers.attention_triton import paged_attention_triton
 
     cfg = engine.model_config
     bs = engine.kv.block_size

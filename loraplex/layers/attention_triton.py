@@ -13,13 +13,18 @@ run it under `TRITON_INTERPRET=1`), so the package imports without triton.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 import triton
 import triton.language as tl
 
 from loraplex.layers.attention_metadata import AttentionMetadata
+from loraplex.layers.attention_tiling import (
+    AttentionTiling,
+    decode_splits,
+    num_sms,
+    tiling_for,
+)
+from loraplex.layers.kv_write_triton import write_kv
 
 # Running-max start: finite, so a tile with every key masked gives exp(-inf) = 0. A constexpr:
 # compiled kernels may read no other kind of module global.
@@ -28,77 +33,12 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # "no sliding window": wider than any context, so the window test always holds
 
 
-@dataclass(frozen=True)
-class AttentionTiling:
-    decode_block_n: int = 64  # keys per decode tile
-    prefill_block_m: int = 64  # query rows per prefill tile
-    prefill_block_n: int = 64  # keys per prefill tile
-    min_keys_per_split: int = 256  # decode split-K: no split smaller than this
-    programs_per_sm: int = 2  # decode split-K: split until S * Hkv * splits reaches this many per SM
-    max_splits: int = 32
-    num_warps: int = 4
-
-
-DEFAULT_TILING = AttentionTiling()
-
-
-def tiling_for(head_dim: int, base: AttentionTiling = DEFAULT_TILING) -> AttentionTiling:
-    """Halve the key tiles and double the warps for head_dim > 128 (register and shared-memory
-    pressure)."""
-    if head_dim > 128:
-        return replace(base, decode_block_n=32, prefill_block_n=32, num_warps=8)
-    return base
-
-
-_SM_COUNT: dict[torch.device, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so tests exercise split-K
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
-
-
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@triton.jit
-def kv_write_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache,
-    v_cache,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cs,  # cache stride of one slot (block * block_size + offset) in elements
-    stride_ch,
-    HKV: tl.constexpr,
-    D: tl.constexpr,
-    H_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    """Row t: k_cache/v_cache[slot[t]] = k/v[t] (all kv heads). Negative slots are skipped."""
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    h = tl.arange(0, H_PAD)[:, None]
-    d = tl.arange(0, D_PAD)[None, :]
-    mask = (h < HKV) & (d < D)
-    src_k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    src_v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache + slot * stride_cs + h * stride_ch + d, src_k, mask=mask)
-    tl.store(v_cache + slot * stride_cs + h * stride_ch + d, src_v, mask=mask)
 
 
 @triton.jit
@@ -350,36 +290,6 @@ def prefill_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
-):
-    """k_cache.view(-1, Hkv, D)[slots] = k (and v), in one launch for both."""
-    t, n_kv, head_dim = k.shape
-    if t == 0:
-        return
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.stride() == v_cache.stride()
-    kv_write_kernel[(t,)](
-        k, v, k_cache, v_cache, slots,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
-        HKV=n_kv, D=head_dim, H_PAD=triton.next_power_of_2(n_kv), D_PAD=triton.next_power_of_2(head_dim),
-    )  # fmt: skip
-
-
-def decode_splits(num_seqs: int, n_kv: int, keys: int, sms: int, tiling: AttentionTiling) -> int:
-    """Split-K factor (a power of two) for the decode launch: split long contexts until the grid
-    has `programs_per_sm` programs per SM, never below `min_keys_per_split` keys per split."""
-    splits = 1
-    while (
-        splits < tiling.max_splits
-        and num_seqs * n_kv * splits < tiling.programs_per_sm * sms
-        and keys >= 2 * splits * tiling.min_keys_per_split
-    ):
-        splits *= 2
-    return splits
-
-
 def paged_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -421,7 +331,7 @@ def paged_attention_triton(
         keys = min(meta.max_context_len, window)
         block_n = tiling.decode_block_n
         if splits is None:
-            splits = decode_splits(meta.num_decode_seqs, n_kv, keys, _num_sms(q.device), tiling)
+            splits = decode_splits(meta.num_decode_seqs, n_kv, keys, num_sms(q.device), tiling)
         if splits > 1:
             part_acc = torch.empty((n_seq, n_q, splits, d_pad), dtype=torch.float32, device=q.device)
             part_ml = torch.empty((n_seq, n_q, splits, 2), dtype=torch.float32, device=q.device)

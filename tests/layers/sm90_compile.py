@@ -6,6 +6,7 @@ from __future__ import annotations
 from helpers.sm90 import compile_sm90 as _compile
 
 from loraplex.layers import attention_triton as at
+from loraplex.layers import kv_write_triton as kw
 
 POINTERS = {name: "*bf16" for name in ("q_ptr", "k_cache", "v_cache", "out_ptr", "k_ptr", "v_ptr")}
 POINTERS.update(
@@ -30,7 +31,7 @@ def main() -> None:
         for tile_map in (False, True):
             consts = dict(common, BLOCK_M=t.prefill_block_m, BLOCK_N=t.prefill_block_n, TILE_MAP=tile_map)
             compile_sm90(at.prefill_kernel, consts, t.num_warps)
-        compile_sm90(at.kv_write_kernel, dict(HKV=8, D=head_dim, H_PAD=8, D_PAD=head_dim))
+        compile_sm90(kw.kv_write_kernel, dict(HKV=8, D=head_dim, H_PAD=8, D_PAD=head_dim))
     print("compiled")
 
 

@@ -155,7 +155,7 @@ HEADS = {"gqa8": (16, 2), "mqa": (4, 1)}
 
 
 def _interp_tiling():  # noqa: ANN202
-    from loraplex.layers.attention_triton import AttentionTiling
+    from loraplex.layers.attention_tiling import AttentionTiling
 
     # small tiles: several key / query tiles per program; split-K from 64 keys on a 4-"SM" machine
     return AttentionTiling(
@@ -184,7 +184,7 @@ def test_interp_head_dims(head_dim: int) -> None:
 
 @needs_interp
 def test_interp_default_tiling_and_split_choice() -> None:
-    from loraplex.layers.attention_triton import DEFAULT_TILING, decode_splits
+    from loraplex.layers.attention_tiling import DEFAULT_TILING, decode_splits
 
     # Llama-3-8B decode at batch 64: 512 programs already fill 132 SMs, no split
     assert decode_splits(64, 8, 1024, 132, DEFAULT_TILING) == 1

@@ -1,0 +1,55 @@
+"""Launch shapes of the paged-attention kernels (`attention_triton.py`): tiles per head size and
+the decode launch's split-K factor. Pure Python (no triton import), so the graph runner and tests
+read them anywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionTiling:
+    decode_block_n: int = 64  # keys per decode tile
+    prefill_block_m: int = 64  # query rows per prefill tile
+    prefill_block_n: int = 64  # keys per prefill tile
+    min_keys_per_split: int = 256  # decode split-K: no split smaller than this
+    programs_per_sm: int = 2  # decode split-K: split until S * Hkv * splits reaches this many per SM
+    max_splits: int = 32
+    num_warps: int = 4
+
+
+DEFAULT_TILING = AttentionTiling()
+
+
+def tiling_for(head_dim: int, base: AttentionTiling = DEFAULT_TILING) -> AttentionTiling:
+    """Halve the key tiles and double the warps for head_dim > 128 (register and shared-memory
+    pressure)."""
+    if head_dim > 128:
+        return replace(base, decode_block_n=32, prefill_block_n=32, num_warps=8)
+    return base
+
+
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so tests exercise split-K
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
+def decode_splits(num_seqs: int, n_kv: int, keys: int, sms: int, tiling: AttentionTiling) -> int:
+    """Split-K factor (a power of two) for the decode launch: split long contexts until the grid
+    has `programs_per_sm` programs per SM, never below `min_keys_per_split` keys per split."""
+    splits = 1
+    while (
+        splits < tiling.max_splits
+        and num_seqs * n_kv * splits < tiling.programs_per_sm * sms
+        and keys >= 2 * splits * tiling.min_keys_per_split
+    ):
+        splits *= 2
+    return splits
