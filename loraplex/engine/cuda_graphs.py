@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from loraplex.adapters.residency import StepSlots
+from loraplex.config import EngineConfig
 from loraplex.engine.scheduler import StepPlan
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.static_inputs import StaticInputs, StepShape, batch_bucket, token_bucket, token_buckets
@@ -43,6 +44,25 @@ from loraplex.lora.weights import LoRASlotTable
 from loraplex.model.llama import LlamaFamilyModel
 
 __all__ = ["GraphKey", "StaticStepRunner", "StepShape", "batch_bucket", "token_bucket"]
+
+
+def graph_limits(config: EngineConfig) -> tuple[int, int]:
+    """(most sequences of a step that replays a graph, most rows of a step with prefill chunks
+    that does); 0 sequences: no graphs, 0 rows: decode steps only."""
+    g, sc = config.graphs, config.scheduler
+    budget = sc.max_num_batched_tokens
+    max_tokens = budget if g.cuda_graph_max_tokens is None else min(g.cuda_graph_max_tokens, budget)
+    return min(g.cuda_graph_max_batch, sc.max_num_seqs), max_tokens
+
+
+def admission_batch_tokens(config: EngineConfig) -> int:
+    """The configured admission batch, else half the step token budget where steps replay CUDA
+    graphs (measured when steps with prefill ran eagerly: docs/bench.md), else 0."""
+    sc = config.scheduler
+    if sc.admission_batch_tokens is not None:
+        return sc.admission_batch_tokens
+    graphs = config.device.startswith("cuda") and graph_limits(config)[0] > 0
+    return sc.max_num_batched_tokens // 2 if graphs else 0
 
 
 @dataclass(frozen=True)

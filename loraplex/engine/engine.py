@@ -30,7 +30,7 @@ from loraplex.adapters.residency import StepSlots
 from loraplex.adapters.tier_setup import build_tiers
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.adapter_admission import AdapterAdmission
-from loraplex.engine.cuda_graphs import StaticStepRunner
+from loraplex.engine.cuda_graphs import StaticStepRunner, admission_batch_tokens, graph_limits
 from loraplex.engine.model_runner import ForwardResult, ModelRunner
 from loraplex.engine.prompt_tokens import eos_token_ids, prompt_token_ids
 from loraplex.engine.sampler import Sampler
@@ -121,7 +121,7 @@ class Engine:
         self.admission = AdapterAdmission(self.adapters, self.tiers, lambda: self.base)
         # The plan's slot map from residency; its slots stay pinned until `residency.end_step()`.
         self.slot_map: Callable[[StepPlan], StepSlots] = self.admission.slot_map
-        sc, batch_tokens = config.scheduler, _admission_batch_tokens(config)
+        sc, batch_tokens = config.scheduler, admission_batch_tokens(config)
         self.scheduler = Scheduler(
             sc, self.pool, block_size, self.admission.ready, batch_tokens, prefix=self.prefix_cache
         )
@@ -384,10 +384,10 @@ class Engine:
 
     def _static_steps(self, config: EngineConfig) -> StaticStepRunner | None:
         """CUDA graphs for decode and mixed steps on CUDA unless turned off (cuda_graph_max_batch = 0)."""
-        max_batch = min(config.graphs.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+        max_batch, max_tokens = graph_limits(config)
         if self.device.type != "cuda" or max_batch == 0:
             return None
-        return self.static_step_runner(max_batch, capture=True, max_tokens=graph_max_tokens(config))
+        return self.static_step_runner(max_batch, capture=True, max_tokens=max_tokens)
 
     def static_step_runner(self, max_batch: int, capture: bool, max_tokens: int = 0) -> StaticStepRunner:
         """A static-step runner over this engine's model, KV cache and LoRA table (capture=False:
@@ -421,21 +421,3 @@ class Engine:
         """CUDA graphs captured so far (one per new step shape; none after a startup warm-up)."""
         sd = self.runner.static_steps
         return sd.captures if sd is not None else 0
-
-
-def _admission_batch_tokens(config: EngineConfig) -> int:
-    """The configured admission batch, else half the step token budget where decode steps replay
-    CUDA graphs (an eager prefill step costs several graph-replayed decode steps of host time),
-    else 0."""
-    sc = config.scheduler
-    if sc.admission_batch_tokens is not None:
-        return sc.admission_batch_tokens
-    graphs = config.device.startswith("cuda") and min(config.graphs.cuda_graph_max_batch, sc.max_num_seqs) > 0
-    return sc.max_num_batched_tokens // 2 if graphs else 0
-
-
-def graph_max_tokens(config: EngineConfig) -> int:
-    """Most rows of a step with prefill chunks that replays a CUDA graph (0: none do)."""
-    g = config.graphs
-    budget = config.scheduler.max_num_batched_tokens
-    return budget if g.cuda_graph_max_tokens is None else min(g.cuda_graph_max_tokens, budget)
