@@ -125,7 +125,7 @@ class LLM:
                 engine.release(rid)
             raise
         while any(not engine.output(rid).finished for rid in request_ids):
-            engine.step()
+            engine.step_overlapped()
         outputs = [engine.output(rid) for rid in request_ids]
         for rid in request_ids:
             engine.release(rid)

@@ -1,6 +1,8 @@
 """The engine: requests in, one batched step at a time, tokens out.
 
     step() = schedule (ids) -> run the model (tensors) -> sample -> postprocess (stop checks)
+    step_overlapped(): the same, with the host half of one step (tokens to the host, stop checks,
+    deltas, the caller's handling of them) while the device runs the next
 
 Requests of any adapter (or none) share each step; every request keeps the adapter revision it
 was admitted with until it finishes or is aborted.
@@ -12,6 +14,7 @@ import gc
 import itertools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,7 +36,7 @@ from loraplex.engine.adapter_admission import AdapterAdmission
 from loraplex.engine.cuda_graphs import StaticStepRunner, admission_batch_tokens, graph_limits
 from loraplex.engine.model_runner import ForwardResult, ModelRunner
 from loraplex.engine.prompt_tokens import eos_token_ids, prompt_token_ids
-from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampler import PendingSample, Sampler
 from loraplex.engine.scheduler import Scheduler, StepPlan
 from loraplex.engine.scoring import record_prompt_logprobs, split_scoring
 from loraplex.engine.sequence import Sequence, SequenceStatus
@@ -60,6 +63,18 @@ class RequestDelta(NamedTuple):
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its plan and forward, and its sampling queued on the device."""
+
+    plan: StepPlan
+    result: ForwardResult
+    scored: list[Sequence]  # max_tokens=0 sequences whose prompts this step completes
+    sampled: list[Sequence]  # the sequences of the sampled rows, in row order
+    sample: PendingSample | None
+    lora_calls: int
 
 
 class Engine:
@@ -139,6 +154,7 @@ class Engine:
         # Live requests with max_tokens=0: while there are none, a step does no per-row check for them.
         self._num_scoring = 0
         self.last_stats: StepStats | None = None
+        self._in_flight: _InFlight | None = None  # a launched step not yet completed
         # The model and tables are built: collect once and move everything alive now out of the
         # collector's reach, so no full collection over them lands inside a step later.
         gc.collect()
@@ -287,12 +303,31 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        """Run one step to its end: schedule, run the model, sample, stop checks. Returns what
+        each request gained in it."""
+        self.last_stats = None
+        done = self._complete()  # a step an overlapped caller left in flight
+        failed = self._launch()
+        return done + failed + self._complete()
+
+    def step_overlapped(self) -> list[RequestDelta]:
+        """A serving loop's step: complete the step in flight (wait for its tokens, stop checks),
+        launch the next one, and return the completed step's deltas, so the caller handles them
+        while the device runs the next step. The same state changes, in the same order, as
+        `step()` calls; between two calls one step is in flight (`abort` may end one of its
+        sequences: its token is dropped)."""
+        self.last_stats = None
+        done = self._complete()
+        return done + self._launch()
+
+    def _launch(self) -> list[RequestDelta]:
+        """Schedule a step and queue its device work (forward and sampling); sets it in flight."""
+        assert self._in_flight is None, "a step is in flight: complete it first"
         failed: list[RequestDelta] = []
         if self.tiers.busy:  # place finished adapter loads, between steps (no slot is pinned)
             failed = self._abort_all(self.admission.failed_loads(self.scheduler.waiting))
         plan = self.scheduler.schedule()
         if not plan.chunks:
-            self.last_stats = None
             if self.tiers.busy:
                 self.tiers.wait(0.002)  # only loads to wait for: let the loader thread run
             return failed
@@ -304,55 +339,67 @@ class Engine:
             result = self.runner.run(plan, slots)
         finally:
             self.residency.end_step()
-        deltas = self._postprocess(plan, result)
-        if failed:
-            deltas = failed + deltas
-        self.last_stats = StepStats.of(
-            plan,
-            result.num_adapters,
-            self.lora_backend.total_calls - calls_before,
-            self.scheduler,
-            self.pool,
-            result.static_replay,
-        )
-        return deltas
+        self._begin(plan, result, self.lora_backend.total_calls - calls_before)
+        return failed
 
     def _postprocess(self, plan: StepPlan, result: ForwardResult) -> list[RequestDelta]:
+        """Sample and complete a step whose forward ran outside `step()` (tests and benches)."""
+        self._begin(plan, result, 0)
+        return self._complete()
+
+    def _begin(self, plan: StepPlan, result: ForwardResult, lora_calls: int) -> None:
+        """Queue the sampling of a step whose forward was launched; sets it in flight."""
+        seqs = [plan.chunks[i].seq for i in result.sample_chunks]
+        logits = result.sample_logits
+        scored: list[Sequence] = []
+        if self._num_scoring and seqs:  # the max_tokens=0 requests end here, before the sampler
+            scored, seqs, logits = split_scoring(seqs, logits)
+        sample = None
+        if seqs:
+            sample = self.sampler.launch(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        self._in_flight = _InFlight(plan, result, scored, seqs, sample, lora_calls)
+
+    def _complete(self) -> list[RequestDelta]:
+        """The step in flight's results: logprobs, tokens, stop checks, deltas (one host sync)."""
+        f = self._in_flight
+        if f is None:
+            return []
+        self._in_flight = None
+        plan, result = f.plan, f.result
         if result.prompt_rows:
             record_prompt_logprobs(plan, result)
-        chunks = plan.chunks
-        for chunk in chunks:
+        for chunk in plan.chunks:
             chunk.seq.num_computed += chunk.num_tokens
-        if not result.sample_chunks:
-            return []
-        seqs = [chunks[i].seq for i in result.sample_chunks]
-        logits = result.sample_logits
         deltas: list[RequestDelta] = []
         add = deltas.append
-        if self._num_scoring:  # the max_tokens=0 requests end here, before the sampler
-            done, seqs, logits = split_scoring(seqs, logits)
-            for seq in done:
+        finished = SequenceStatus.FINISHED
+        for seq in f.scored:
+            if seq.status is not finished:  # (aborted while in flight otherwise)
                 seq.finish_reason = "length"
                 self._finish(seq)
                 add(RequestDelta(seq.request_id, [], True, "length"))
-            if not seqs:
-                return deltas
-        if self.admission.awaiting_first:  # only while some adapter request has no token yet
-            self.admission.first_tokens(seqs)
-        sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        # Per row: the token, its logprobs, the stop checks, the delta; nothing else.
-        check = self.stop.check
-        max_len = self.max_model_len
-        finished = SequenceStatus.FINISHED
-        for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
-            seq.output_token_ids.append(token)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            reason = check(seq, max_len)
-            if reason is not None:
-                seq.finish_reason = reason
-                self._finish(seq)
-            add(RequestDelta(seq.request_id, [token], seq.status is finished, seq.finish_reason))
+        if f.sample is not None:
+            sampled = f.sample.result()
+            seqs = f.sampled
+            if self.admission.awaiting_first:  # only while some adapter request has no token yet
+                self.admission.first_tokens(seqs)
+            # Per row: the token, its logprobs, the stop checks, the delta; nothing else.
+            check = self.stop.check
+            max_len = self.max_model_len
+            for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+                if seq.status is finished:
+                    continue  # aborted while its step was in flight
+                seq.output_token_ids.append(token)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                reason = check(seq, max_len)
+                if reason is not None:
+                    seq.finish_reason = reason
+                    self._finish(seq)
+                add(RequestDelta(seq.request_id, [token], seq.status is finished, seq.finish_reason))
+        self.last_stats = StepStats.of(
+            plan, result.num_adapters, f.lora_calls, self.scheduler, self.pool, result.static_replay
+        )
         return deltas
 
     def _abort_all(self, doomed: list[Sequence]) -> list[RequestDelta]:

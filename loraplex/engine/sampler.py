@@ -10,6 +10,10 @@ Semantics, per row:
 - logprobs: the raw `log_softmax` of the model's logits in float32, taken before temperature,
   top-k and top-p (what vLLM reports).
 
+Two halves (`Sampler.launch`, then `PendingSample.result`): the first queues every device op of the
+step's sampling and logprobs, the second copies the results to the host (the one sync) and builds
+the logprob dicts. A serving loop launches the next step between the two (`Engine.step_overlapped`).
+
 Determinism: a row with its own generator draws its noise from that generator alone, so its token
 depends only on its logits row, its params and its generator state, never on the batch around it.
 Generators live on the device of the logits (the engine creates each request's generator there).
@@ -139,16 +143,28 @@ def _rows_logprobs(
     """logprob_dicts where every row wants logprobs and the chosen tokens are still on the device
     ([R] int64): returns them on the host too. Two copies to the host in all (ints, floats), so
     one sync after the one the sampled tokens need anyway, whatever top_n is."""
+    return _logprob_rows(*_logprob_tensors(logprobs, chosen_ids, top_n), top_n)
+
+
+def _logprob_tensors(
+    logprobs: torch.Tensor, chosen_ids: torch.Tensor, top_n: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device half of `_rows_logprobs`: per row the chosen token (its logprob) first, then
+    the top-kmax tokens (logprobs), as [R, 1 + kmax] int64 and float32."""
     chosen_lp = logprobs.gather(1, chosen_ids[:, None])  # [R, 1]
     kmax = min(max(top_n), logprobs.shape[-1])
     if kmax > 0:
         vals, ids = torch.topk(logprobs, kmax, dim=-1)  # [R, kmax], descending
-        # Per row: the chosen token (or its logprob) first, then the top-kmax.
-        ints = torch.cat((chosen_ids[:, None], ids), dim=1).tolist()
-        floats = torch.cat((chosen_lp, vals), dim=1).tolist()
-    else:
-        ints = chosen_ids[:, None].tolist()
-        floats = chosen_lp.tolist()
+        return torch.cat((chosen_ids[:, None], ids), dim=1), torch.cat((chosen_lp, vals), dim=1)
+    return chosen_ids[:, None], chosen_lp
+
+
+def _logprob_rows(
+    ints_t: torch.Tensor, floats_t: torch.Tensor, top_n: list[int]
+) -> tuple[list[int], list[dict[int, float]]]:
+    """The host half of `_rows_logprobs`: two copies to the host, then the dicts."""
+    ints, floats = ints_t.tolist(), floats_t.tolist()
+    kmax = len(ints[0]) - 1 if ints else 0
     dicts: list[dict[int, float]] = []
     add = dicts.append
     for row_ids, row_vals, k in zip(ints, floats, top_n, strict=True):
@@ -172,6 +188,38 @@ def _neg_gumbel_noise(uniform: torch.Tensor) -> torch.Tensor:
     return uniform.log_().neg_().log_()
 
 
+class PendingSample:
+    """A step's sampling, queued on the device: `result()` brings it to the host."""
+
+    def __init__(
+        self,
+        n: int,
+        tokens: torch.Tensor,
+        logprob_rows: list[int] | None = None,
+        logprob_tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
+        top_n: list[int] | None = None,
+    ) -> None:
+        self._n = n
+        self._tokens = tokens
+        self._rows = logprob_rows  # the rows that asked for logprobs (None: none did)
+        self._lp = logprob_tensors
+        self._top_n = top_n
+
+    def result(self) -> SampleResult:
+        n, rows = self._n, self._rows
+        if rows is None or self._lp is None or self._top_n is None:
+            return SampleResult(self._tokens.tolist(), [None] * n)
+        if len(rows) == n:  # every row: the tokens come back with the logprobs
+            token_ids, dicts = _logprob_rows(*self._lp, self._top_n)
+            return SampleResult(token_ids, dicts)  # type: ignore[arg-type]
+        token_ids = self._tokens.tolist()
+        result: list[dict[int, float] | None] = [None] * n
+        _, dicts = _logprob_rows(*self._lp, self._top_n)
+        for i, d in zip(rows, dicts, strict=True):
+            result[i] = d
+        return SampleResult(token_ids, result)
+
+
 class Sampler:
     """Picks one token per logits row.
 
@@ -189,6 +237,15 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> SampleResult:
+        return self.launch(logits, params, generators).result()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> PendingSample:
+        """Queue the sampling (and logprobs) of these rows; nothing waits for the device."""
         n, vocab = logits.shape
         device = logits.device
         temps = [p.temperature for p in params]  # a row is greedy iff its temperature is 0 (falsy)
@@ -211,20 +268,16 @@ class Sampler:
                 logits[rows], [params[i] for i in sampled], [generators[i] for i in sampled]
             )
         if not wants_logprobs:
-            return SampleResult(tokens.tolist(), [None] * n)
+            return PendingSample(n, tokens)
         if top_n.count(None) == 0:  # every row: no gather, and the tokens come back with the logprobs
             logprobs = torch.log_softmax(logits.float(), dim=-1)  # raw: before any warping
-            token_ids, dicts = _rows_logprobs(logprobs, tokens, top_n)  # type: ignore[arg-type]
-            return SampleResult(token_ids, dicts)  # type: ignore[arg-type]
-        token_ids = tokens.tolist()
-        result: list[dict[int, float] | None] = [None] * n
+            tensors = _logprob_tensors(logprobs, tokens, top_n)  # type: ignore[arg-type]
+            return PendingSample(n, tokens, list(range(n)), tensors, top_n)  # type: ignore[arg-type]
         wanted = [i for i, k in enumerate(top_n) if k is not None]
         rows = to_device(wanted, torch.int64, device)
         logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # raw: before any warping
-        _, dicts = _rows_logprobs(logprobs, tokens[rows], [top_n[i] for i in wanted])  # type: ignore[misc]
-        for i, d in zip(wanted, dicts, strict=True):
-            result[i] = d
-        return SampleResult(token_ids, result)
+        wanted_n: list[int] = [top_n[i] for i in wanted]  # type: ignore[misc]
+        return PendingSample(n, tokens, wanted, _logprob_tensors(logprobs, tokens[rows], wanted_n), wanted_n)
 
     def _sample(
         self,

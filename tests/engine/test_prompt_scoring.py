@@ -54,10 +54,10 @@ class _SamplerSpy:
         self.sampler = sampler
         self.rows: list[SamplingParams] = []
 
-    def __call__(self, logits, params, generators):  # noqa: ANN001, ANN204
+    def launch(self, logits, params, generators):  # noqa: ANN001, ANN202
         assert logits.shape[0] == len(params)
         self.rows.extend(params)
-        return self.sampler(logits, params, generators)
+        return self.sampler.launch(logits, params, generators)
 
 
 # The generating requests: greedy, unseeded sampling (the engine's shared generator) and seeded sampling.
