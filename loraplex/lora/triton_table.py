@@ -6,13 +6,13 @@ through these tables, so every adapter stays at its own rank: nothing
 is padded, and adapters of different ranks share one launch. The tables change only when
 `LoRASlotTable.version` does (an adapter loaded into or cleared from a slot), never per step.
 
-An update touches only the slots that changed since the last one (`LoRASlotTable.changed_since`):
-their columns are written on the host (`lora/triton_entries.py`; for an adapter in the device
-pool, from its extent's address and its layout's per-pair offsets, with no Python work per
-(layer, target)), then copied to the device as one small host -> device copy of those columns
-and scattered into the tables on the current stream, so every step queued after it reads the
-new columns and every step queued before it the old ones. A first sync, another slot table, a
-slot past the capacity or another dtype rebuilds every column (one copy of the whole tables).
+An update touches only the slots that changed since the last one (`LoRASlotTable.changed_since`).
+A slot's column is written on the device, on the current stream, from a column image
+(`lora/triton_entries.py`): for an adapter in the device pool, its layout's image (uploaded once
+per layout) plus the extent's offset as a scalar, i.e. a few small kernels and no host -> device
+copy, whatever the number of (layer, target) pairs; a cleared slot's column is zeroed. Every step
+queued after an update reads the new columns and every step queued before it the old ones. A
+first sync, another slot table, a slot past the capacity or another dtype rebuild every column.
 
 CUDA graphs record these tables' addresses, so an update writes into the same device tensors
 whenever they are large enough (the capacity grows in powers of two); `epoch` counts the times
@@ -29,10 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.lora.layout import GROUP_SLICES, TARGETS, pair_row
+from loraplex.lora.packed import PackedLayout
 from loraplex.lora.triton_entries import (
     ENTRY_BYTES,
-    HostTables,
+    SlotBook,
     SlotEntries,
+    column_image,
+    image_views,
     kernel_ready,
     packed_entries,
     pair_entries,
@@ -41,6 +44,7 @@ from loraplex.lora.triton_entries import (
 )
 from loraplex.lora.weights import LoRASlotTable
 
+_IMAGES_KEPT = 1024  # layouts whose column image a device table keeps
 _kernel_ready = kernel_ready  # the name the pool's tests use
 
 
@@ -70,28 +74,30 @@ class LoRADeviceTable:
         self.dtype: torch.dtype | None = None
         self.base = torch.empty(0)  # weights' dtype; every table entry is an offset from here
         self.n_slots = 0  # columns of the tables (capacity; the last is the null slot)
-        self._host = HostTables(0, 0)
-        self._buf = torch.empty(0, dtype=torch.uint8)  # the four tables on the device, one buffer
+        self._book = SlotBook(0)
+        self._buf = torch.empty(0, dtype=torch.uint8)  # the four tables, one device buffer
         self._a = self._b = self._r = self._s = torch.empty(0)
         self._views: dict[tuple[int, str], GroupTables] = {}  # slicing costs microseconds per call
         self._dims: tuple[int, dict[tuple[int, str], tuple[int, int]]] = (-1, {})
-        self.uploads = 0  # host -> device copies of the tables (tests count them)
+        # id(layout) -> (layout, its column image on the device)
+        self._images: dict[int, tuple[PackedLayout, tuple[torch.Tensor, ...]]] = {}
+        self.uploads = 0  # host -> device copies of column images (tests count them)
 
     @property
     def slot_coverage(self) -> dict[int, int]:
         """slot -> OR of target_bit over its pairs."""
-        return self._host.coverage
+        return self._book.coverage
 
     @property
     def slot_max_rank(self) -> dict[int, int]:
-        return self._host.max_rank
+        return self._book.max_rank
 
     @property
     def dims(self) -> dict[tuple[int, str], tuple[int, int]]:
         """(layer, target) -> (d_in, d_out) of the adapted ones (made again only when that set
         changes)."""
-        if self._dims[0] != self._host.dims_version:
-            self._dims = (self._host.dims_version, self._host.dims())
+        if self._dims[0] != self._book.dims_version:
+            self._dims = (self._book.dims_version, self._book.dims())
         return self._dims[1]
 
     def sync(self, table: LoRASlotTable) -> None:
@@ -107,34 +113,37 @@ class LoRADeviceTable:
         self._source = table
         self.version = table.version
 
-    def _entries(self, slot: int, table: LoRASlotTable, host: HostTables) -> SlotEntries:
+    def _entries(self, slot: int, table: LoRASlotTable, book: SlotBook, base: torch.Tensor) -> SlotEntries:
         weights = table.weights(slot)
-        return packed_entries(weights, self.base) or pair_entries(slot, weights, self.base, host.padded())
+        return packed_entries(weights, base) or pair_entries(slot, weights, base, book.padded())
 
     def _update(self, table: LoRASlotTable, changed: list[int]) -> bool:
         """Rewrite the columns of the `changed` slots in place; False (nothing done) when the
         tables must be rebuilt instead."""
         slots = sorted(set(changed))
-        host = self._host
+        book = self._book
         for slot in slots:
             if slot in table:
                 dtypes = weight_dtypes(table.weights(slot))
                 if slot + 2 > self.n_slots or (dtypes and dtypes != {self.base.dtype}):
                     return False
-        new = {slot: self._entries(slot, table, host) for slot in slots if slot in table}
-        undo = {slot: host.entries[slot] for slot in slots if slot in host.entries}
-        for slot in slots:
-            host.take(slot)
+        new = {slot: self._entries(slot, table, book, self.base) for slot in slots if slot in table}
+        old = {slot: e for slot in slots if (e := book.take(slot)) is not None}
         try:
             for slot, entries in new.items():
-                host.put(slot, entries)
+                book.put(slot, entries)
         except ValueError:
-            for slot in slots:  # the host tables as they were; the device ones were not touched
-                host.take(slot)
-            for slot, entries in undo.items():
-                host.put(slot, entries)
+            for slot in slots:  # the book as it was; the device tables were not touched
+                book.take(slot)
+            for slot, entries in old.items():
+                book.put(slot, entries)
             raise
-        self._upload_columns(slots)
+        for slot in slots:
+            if slot in new:
+                self._write(slot, new[slot])  # the whole column: no need to clear it first
+            elif slot in old:
+                for t in (self._a, self._b, self._r, self._s):
+                    t[:, slot].zero_()
         return True
 
     def _rebuild(self, table: LoRASlotTable) -> None:
@@ -145,7 +154,7 @@ class LoRADeviceTable:
         if len(dtypes) > 1:
             raise ValueError(f"LoRA weights mix dtypes {sorted(map(str, dtypes))}; the kernels need one")
         dtype = dtypes.pop() if dtypes else (self.dtype or table.dtype or torch.float32)
-        realloc = needed > self.n_slots or self._host.n_rows != n_rows or self.base.dtype != dtype
+        realloc = needed > self.n_slots or self._book.n_rows != n_rows or self.base.dtype != dtype
         if realloc:
             n_slots = max(16, 1 << (needed - 1).bit_length())
             # Absent entries (offset 0, rank 0) point at the base itself, a real buffer: no load is
@@ -153,49 +162,60 @@ class LoRADeviceTable:
             base = torch.zeros(64, dtype=dtype, device=self.device)
         else:
             n_slots, base = self.n_slots, self.base
-        host = HostTables(n_rows, n_slots)
-        reuse = self._host.padded()  # the padded copies of odd-rank pairs, made before
-        for slot, weights in items:
-            host.put(slot, packed_entries(weights, base) or pair_entries(slot, weights, base, reuse))
+        book = SlotBook(n_rows)
+        for slot, _ in items:  # everything checked before the device tables change
+            book.put(slot, self._entries(slot, table, self._book, base))
         if realloc:
             self.epoch += 1
             self.n_slots = n_slots
-            self._buf = torch.empty(host.buf.shape, dtype=torch.uint8, device=self.device)
+            self._buf = torch.zeros(n_rows * n_slots * ENTRY_BYTES, dtype=torch.uint8, device=self.device)
             self._a, self._b, self._r, self._s = table_views(self._buf, n_rows, n_slots)
             self._views = {}
+        else:  # in place: captured graphs keep reading these tensors
+            self._buf.zero_()
+        if self._book.n_rows != n_rows:
+            self._images = {}
         self.dtype, self.base = (dtype if items or table.dtype is not None else self.dtype), base
-        self._host = host
+        self._book = book
         self._dims = (-1, {})
-        # in place when not reallocated: captured graphs keep reading these tensors
-        self._buf.copy_(self._staged(host.buf), non_blocking=True)
+        for slot, entries in book.entries.items():
+            self._write(slot, entries)
+
+    def _write(self, slot: int, e: SlotEntries) -> None:
+        """Write slot `slot`'s whole column on the device: A and B are the image's offsets plus
+        the slot's offset where a pair is, rank and scale the image's."""
+        a, b, present, rank, scale = self._image(e)
+        torch.add(a, present, alpha=e.offset, out=self._a[:, slot])
+        torch.add(b, present, alpha=e.offset, out=self._b[:, slot])
+        self._r[:, slot].copy_(rank)
+        self._s[:, slot].copy_(scale)
+
+    def _image(self, e: SlotEntries) -> tuple[torch.Tensor, ...]:
+        """`e`'s column image on the device, as its five parts: its layout's, kept (uploaded once
+        per layout), or one of its own."""
+        n_rows, lay = self._book.n_rows, e.layout
+        if lay is None:
+            assert e.columns is not None
+            a, b, rank, scale = e.columns
+            return self._upload(column_image(n_rows, e.row, a, b, rank, scale, present=False))
+        hit = self._images.get(id(lay))
+        if hit is not None and hit[0] is lay:
+            return hit[1]
+        arr = lay.arrays
+        image = self._upload(column_image(n_rows, arr.row, arr.a, arr.b, arr.rank, arr.scale, present=True))
+        if len(self._images) >= _IMAGES_KEPT:
+            del self._images[next(iter(self._images))]
+        self._images[id(lay)] = (lay, image)
+        return image
+
+    def _upload(self, image: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self.uploads += 1
-
-    def _upload_columns(self, slots: list[int]) -> None:
-        """Copy the columns of `slots` from the host tables to the device ones: one host -> device
-        copy of [columns x the four tables, then the slot ids], four scatters on the device."""
-        live = [s for s in slots if s < self.n_slots]
-        if not live:
-            return
-        host, k, n_rows = self._host, len(live), self._host.n_rows
-        staged = torch.empty(n_rows * k * ENTRY_BYTES + 8 * k, dtype=torch.uint8, pin_memory=self._pin)
-        for part, src in zip(table_views(staged, n_rows, k), host.arrays, strict=True):
-            part.numpy()[:] = src[:, live]
-        staged[n_rows * k * ENTRY_BYTES :].view(torch.int64).numpy()[:] = live
-        patch = staged.to(self.device, non_blocking=True)
-        ids = patch[n_rows * k * ENTRY_BYTES :].view(torch.int64)
-        tables = (self._a, self._b, self._r, self._s)
-        for dst, part in zip(tables, table_views(patch, n_rows, k), strict=True):
-            dst.index_copy_(1, ids, part)
-        self.uploads += 1
-
-    @property
-    def _pin(self) -> bool:
-        return self.device.type == "cuda"
-
-    def _staged(self, buf: torch.Tensor) -> torch.Tensor:
-        """`buf` as the source of an asynchronous copy: pinned on CUDA (the caching host allocator
-        keeps the pinned block until the copy has completed), the buffer itself elsewhere."""
-        return buf.pin_memory() if self._pin else buf
+        if self.device.type != "cuda":
+            on_device = image.to(self.device)
+        else:  # pinned, so the copy is asynchronous (the caching host allocator keeps the pinned
+            # block until the copy has completed)
+            on_device = image.pin_memory().to(self.device, non_blocking=True)
+        return image_views(on_device, self._book.n_rows)
 
     @property
     def null_slot(self) -> int:
