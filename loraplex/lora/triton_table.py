@@ -36,7 +36,6 @@ from loraplex.lora.triton_entries import (
     SlotEntries,
     column_image,
     image_views,
-    kernel_ready,
     packed_entries,
     pair_entries,
     table_views,
@@ -45,7 +44,6 @@ from loraplex.lora.triton_entries import (
 from loraplex.lora.weights import LoRASlotTable
 
 _IMAGES_KEPT = 1024  # layouts whose column image a device table keeps
-_kernel_ready = kernel_ready  # the name the pool's tests use
 
 
 def target_bit(layer: int, target: str) -> int:
@@ -106,6 +104,9 @@ class LoRADeviceTable:
         next call rebuilds them."""
         if table is self._source and table.version == self.version:
             return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # the column writes would be recorded into the graph and replayed with stale values
+            raise RuntimeError("LoRA slot table changed during a CUDA-graph capture: sync before capturing")
         changed = table.changed_since(self.version) if table is self._source else None
         self._source = None  # until done: an error leaves the next call a whole rebuild
         if changed is None or not self._update(table, changed):
