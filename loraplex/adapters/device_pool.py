@@ -2,12 +2,16 @@
 
 `AdapterPool(budget_bytes, dtype, device)` allocates one flat tensor up front (host memory on the
 CPU) and never allocates on the serving path. Each placed adapter gets one contiguous *extent*
-holding its pairs packed in (layer, target) order, A [r, d_in] then B [d_out, r], every tensor
-row-major and starting on a 16-byte boundary (the kernels promise the compiler that alignment;
-see `lora/triton_table.py`). Padding is only that alignment (at most 15 bytes per tensor), never
-a rank padded to a global maximum, so allocated / actual bytes stays within a few per mille for
-real shapes. The kernels address every A and B by an element offset from one base buffer, so a
-pool tensor's views need no kernel change: the device table's offsets simply point into it.
+holding its pairs packed as `lora/packed.py` lays them out: (layer, target) order, A [r, d_in]
+then B [d_out, r], every tensor row-major and starting on a 16-byte boundary (the kernels promise
+the compiler that alignment; see `lora/triton_table.py`). Padding is only that alignment (at
+most 15 bytes per tensor), never a rank padded to a global maximum, so allocated / actual bytes
+stays within a few per mille for real shapes. The kernels address every A and B by an element
+offset from one base buffer, so the pool needs no kernel change: the device table's offsets
+simply point into it. An extent's weights (`weights(key)`) carry it as one span with its
+layout: the device tables are filled from the span's address and the layout's offsets, and the
+per-pair tensor views are made only when something reads them (lora/packed.py). The host tier
+packs its copies with the same layout, so a placement or a load is one contiguous copy.
 
 Fragmentation: compaction, not paging. A pair must stay contiguous (one pointer), so a page would
 have to be as large as the largest A or B of any adapter (r = 64 on a 14336-wide down projection:
@@ -39,9 +43,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.lora.weights import AdapterWeights, LoRAPair, WeightFacts, adapted_groups
+from loraplex.lora.packed import ALIGN, PackedLayout, pack_layout, packed_weights
+from loraplex.lora.weights import AdapterWeights
 
-ALIGN = 16  # bytes: the start of every A and B (see `_ALIGN` in lora/triton_table.py)
+__all__ = ["ALIGN", "AdapterPool", "Placement", "PoolFullError"]
 
 
 class PoolFullError(RuntimeError):
@@ -51,84 +56,22 @@ class PoolFullError(RuntimeError):
 _LAYOUT_MEMO = 256  # adapters whose layout a pool remembers
 
 
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-@dataclass(frozen=True)
-class _Pair:
-    key: tuple[int, str]
-    a_off: int  # bytes from the extent's start
-    a_shape: tuple[int, int]
-    b_off: int
-    b_shape: tuple[int, int]
-    scale: float
-
-
 @dataclass
 class _Extent:
     start: int  # bytes from the pool's start, a multiple of ALIGN
-    size: int  # footprint: aligned bytes
-    actual: int  # the pairs' own bytes
-    pairs: tuple[_Pair, ...]
-    facts: WeightFacts  # of the views: computed once per layout (`AdapterPool._layout`)
+    layout: PackedLayout  # the pairs' places inside the extent, its footprint, the facts
     generation: int = 0
-    # the views at `start`, made once (hundreds of tensor views cost milliseconds of host time
-    # on a load's path; reserve and commit both ask for them)
+    # the weights at `start`, made once (reserve and commit both ask for them; their views are
+    # made only when read, see lora/packed.py)
     cached: tuple[int, AdapterWeights] | None = None
 
+    @property
+    def size(self) -> int:  # footprint: aligned bytes
+        return self.layout.size
 
-def layout(weights: AdapterWeights, elem: int) -> tuple[tuple[_Pair, ...], int, int]:
-    """Where each tensor of `weights` goes inside an extent of `elem`-byte elements, the extent's
-    footprint and actual bytes; validates shapes before anything changes. The host tier packs its
-    copies the same way, so a load is one contiguous copy (adapters/h2d_copy.py)."""
-    pairs: list[_Pair] = []
-    off = actual = 0
-    for pkey in sorted(weights.pairs):
-        pair = weights.pairs[pkey]
-        if pair.a.dim() != 2 or pair.b.dim() != 2:
-            raise ValueError(
-                f"{pkey}: A and B must be 2-D, got {tuple(pair.a.shape)} and {tuple(pair.b.shape)}"
-            )
-        rank, d_in = (int(n) for n in pair.a.shape)
-        d_out = int(pair.b.shape[0])
-        if pair.b.shape[1] != rank:
-            raise ValueError(f"{pkey}: B {tuple(pair.b.shape)} does not match A's rank {rank}")
-        a_bytes, b_bytes = rank * d_in * elem, d_out * rank * elem
-        pairs.append(_Pair(pkey, off, (rank, d_in), off + _round_up(a_bytes), (d_out, rank), pair.scale))
-        off += _round_up(a_bytes) + _round_up(b_bytes)
-        actual += a_bytes + b_bytes
-    return tuple(pairs), off, actual
-
-
-def layout_facts(pairs: tuple[_Pair, ...], actual: int) -> WeightFacts:
-    """The facts of weights laid out as `pairs` with `actual` bytes (`layout`'s)."""
-    ranks = {p.key: p.a_shape[0] for p in pairs}
-    return WeightFacts(ranks, max(ranks.values(), default=0), actual, adapted_groups(ranks))
-
-
-def views(
-    flat: torch.Tensor,
-    start: int,
-    pairs: tuple[_Pair, ...],
-    facts: WeightFacts | None = None,
-    size: int | None = None,
-) -> AdapterWeights:
-    """The pairs of an extent starting `start` bytes into the 1-D tensor `flat`, as views;
-    `facts`: theirs (`layout_facts`), known already; `size`: the extent's footprint, given to
-    carry the extent's span as `packed`."""
-    elem = flat.element_size()
-    view = flat.as_strided  # one call per tensor (a slice then a view would be two)
-    out = {}
-    for p in pairs:
-        ca, cb = p.a_shape[1], p.b_shape[1]
-        a = view(p.a_shape, (ca, 1), (start + p.a_off) // elem)
-        b = view(p.b_shape, (cb, 1), (start + p.b_off) // elem)
-        out[p.key] = LoRAPair(a, b, p.scale)
-    packed = None if size is None else flat[start // elem : (start + size) // elem]
-    if facts is None:
-        return AdapterWeights(out, packed)
-    return AdapterWeights.with_facts(out, facts, packed)
+    @property
+    def actual(self) -> int:  # the pairs' own bytes
+        return self.layout.actual
 
 
 @dataclass(frozen=True)
@@ -147,8 +90,8 @@ class AdapterPool:
         if not dtype.is_floating_point:
             raise ValueError(f"adapter pool dtype must be a floating type, got {dtype}")
         self.dtype = dtype
-        # id(weights) -> (weights, its layout, the facts of its views)
-        self._layouts: dict[int, tuple[AdapterWeights, tuple[tuple[_Pair, ...], int, int], WeightFacts]] = {}
+        # id(weights) -> (weights, its layout), for weights that carry none
+        self._layouts: dict[int, tuple[AdapterWeights, PackedLayout]] = {}
         self.elem = torch.empty(0, dtype=dtype).element_size()
         self.budget_bytes = budget_bytes // ALIGN * ALIGN
         self.buffer = torch.empty(self.budget_bytes // self.elem, dtype=dtype, device=device)
@@ -167,7 +110,7 @@ class AdapterPool:
 
     def footprint(self, weights: AdapterWeights) -> int:
         """Bytes `weights` takes in this pool (its pairs at the pool's dtype, each tensor aligned)."""
-        return self._layout(weights)[1]
+        return self._layout(weights).size
 
     @property
     def free_bytes(self) -> int:
@@ -225,7 +168,7 @@ class AdapterPool:
         """`key`'s weights as views into the pool at its current place."""
         ext = self._extents[key]
         if ext.cached is None or ext.cached[0] != ext.start:
-            ext.cached = (ext.start, views(self.buffer, ext.start, ext.pairs, ext.facts, ext.size))
+            ext.cached = (ext.start, packed_weights(self.buffer, ext.start, ext.layout))
         return ext.cached[1]
 
     # --- placing and freeing --------------------------------------------------------------------
@@ -242,28 +185,33 @@ class AdapterPool:
         """Copy `weights` into the pool under `key` and return views of them, compacting when no
         free run is large enough. Adapters in `fixed` and in flight are not moved. `copy=False`
         only reserves the extent and marks `key` in flight (its caller copies, then `settle`s);
-        it returns the extent as a span (`packed`, no pairs: `weights(key)` makes the views).
+        it returns the extent as a span (`packed`, no pairs: `weights(key)` is the adapter).
         Raises `PoolFullError` (and changes nothing) when the room cannot be made, ValueError on
         malformed weights."""
         if key in self._extents:
             raise ValueError(f"adapter {key[:12]} is already in the pool")
-        (pairs, size, actual), facts = self._layout_and_facts(weights)
+        lay = self._layout(weights)
+        size = lay.size
         start = self._best_fit(size)
         moved: dict[str, AdapterWeights] = {}
         if start is None:
             start, moved = self._compact_for(size, key, frozenset(fixed) | self.in_flight)
-        ext = _Extent(start, size, actual, pairs, facts)
-        self._extents[key] = ext
+        self._extents[key] = _Extent(start, lay)
         self.allocated_bytes += size
-        self.used_bytes += actual
+        self.used_bytes += lay.actual
         if not copy:
             self.in_flight.add(key)
             return Placement(AdapterWeights({}, self.span(key)), moved)
         placed = self.weights(key)
-        for p in pairs:  # copy_ converts dtype and device, and keeps the views' layout
-            src = weights.pairs[p.key]
-            placed.pairs[p.key].a.copy_(src.a, non_blocking=non_blocking)
-            placed.pairs[p.key].b.copy_(src.b, non_blocking=non_blocking)
+        src = weights.packed
+        if src is not None and weights.layout is lay:  # packed alike: one copy (it converts the device)
+            assert placed.packed is not None
+            placed.packed.copy_(src, non_blocking=non_blocking)
+            return Placement(placed, moved)
+        for p in lay.pairs:  # copy_ converts dtype and device, and keeps the views' layout
+            src_pair, dst_pair = weights.pairs[p.key], placed.pairs[p.key]
+            dst_pair.a.copy_(src_pair.a, non_blocking=non_blocking)
+            dst_pair.b.copy_(src_pair.b, non_blocking=non_blocking)
         return Placement(placed, moved)
 
     def free(self, key: str) -> None:
@@ -281,23 +229,19 @@ class AdapterPool:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _layout(self, weights: AdapterWeights) -> tuple[tuple[_Pair, ...], int, int]:
-        return self._layout_and_facts(weights)[0]
-
-    def _layout_and_facts(
-        self, weights: AdapterWeights
-    ) -> tuple[tuple[tuple[_Pair, ...], int, int], WeightFacts]:
-        # The host tier hands the same weights object to every reload of an adapter: its layout
-        # and the facts of its views (passes over hundreds of pairs) are kept for the most recent.
+    def _layout(self, weights: AdapterWeights) -> PackedLayout:
+        # Weights packed at this element size carry their layout (the host tier's copies); others
+        # are walked once: the most recent ones' layouts are kept, by object.
+        if weights.layout is not None and weights.layout.elem == self.elem:
+            return weights.layout
         hit = self._layouts.get(id(weights))
         if hit is not None and hit[0] is weights:
-            return hit[1], hit[2]
-        result = layout(weights, self.elem)
-        facts = layout_facts(result[0], result[2])
+            return hit[1]
+        result = pack_layout(weights, self.elem)
         if len(self._layouts) >= _LAYOUT_MEMO:
             del self._layouts[next(iter(self._layouts))]
-        self._layouts[id(weights)] = (weights, result, facts)
-        return result, facts
+        self._layouts[id(weights)] = (weights, result)
+        return result
 
     def _ordered(self) -> list[tuple[str, _Extent]]:
         return sorted(self._extents.items(), key=lambda kv: kv[1].start)

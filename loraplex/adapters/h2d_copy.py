@@ -9,7 +9,9 @@ never a wait), and only then can a step plan name the adapter's slot. So:
 
 - No step reads a slot before its bytes are written: the slot table gains the adapter only after
   the host has seen the event complete, and work that has completed is visible to every kernel
-  queued later, on any stream of the device.
+  queued later, on any stream of the device. The slot itself (and its entry in the slot table,
+  hence in the kernels' pointer tables at the next step's sync) is claimed as soon as the copy
+  is queued: nothing names it before the commit, so that update overlaps the copy.
 - No step waits for a copy: nothing on the step stream waits for the side stream.
 - The side stream waits for the step stream's work queued so far before it copies: the reserved
   bytes may have belonged to an adapter just evicted (or moved by a compaction) that a step still
@@ -165,14 +167,15 @@ class AsyncLoads:
         src = weights.packed
         one_span = src is not None and src.shape == room.packed.shape and src.dtype == room.packed.dtype
         try:
-            # A host copy packed like the extent is copied as one span before the views exist;
-            # anything else is copied view by view.
+            # A host copy packed like the extent is copied as one span; anything else pair by pair.
             event = self.copier.copy(room if one_span else pool.weights(revision), weights)
         except BaseException:
             self.residency.unreserve(revision)
             raise
-        if one_span:
-            pool.weights(revision)  # the views (hundreds), made while the copy runs; kept for commit
+        # While the copy runs: the slot and its slot-table entry, so the next step's sync of the
+        # kernels' tables points them at the extent before the copy completes (no step can name
+        # the slot until `commit`), leaving the commit mere bookkeeping.
+        self.residency.claim_slot(revision)
         self._loads[revision] = _Load(weights, event, weights.nbytes, started)
 
     def finished(self) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.adapters.device_pool import layout, views
+from loraplex.lora.packed import pack_layout, packed_weights
 from loraplex.lora.weights import AdapterWeights
 
 
@@ -58,13 +58,16 @@ class HostCache:
         out as the device pool lays out an extent, so a load is one host -> device copy (and one
         pinned allocation) instead of two per (layer, target)."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        pairs, size, _ = layout(weights, elem)
-        flat = torch.empty(size // elem, dtype=self.dtype, pin_memory=self.pin)
-        packed = views(flat, 0, pairs, size=size)
-        for key, p in packed.pairs.items():  # copy_ converts device and dtype
+        lay = pack_layout(weights, elem)
+        flat = torch.empty(lay.size // elem, dtype=self.dtype, pin_memory=self.pin)
+        copy = packed_weights(flat, 0, lay)
+        if weights.packed is not None and weights.layout is lay:  # packed alike (a pool extent): one copy
+            flat.copy_(weights.packed)
+            return copy
+        for key, p in copy.pairs.items():  # copy_ converts device and dtype
             p.a.copy_(weights.pairs[key].a.detach())
             p.b.copy_(weights.pairs[key].b.detach())
-        return packed
+        return copy
 
     def put(self, revision: str, weights: AdapterWeights, keep: bool = False) -> AdapterWeights:
         """Store a host copy of `weights` under `revision` (refreshing its recency when present;

@@ -7,13 +7,15 @@ revisions, request holds) is the registry's; this module knows revisions only.
   on demand, the host tier and the choice of victims are `tiers.py`'s; this module only places
   and frees.
 - With an `AdapterPool` (the device tier), `load` copies the weights into the pool and the slot
-  table holds views into it. When a placement compacts the pool, the moved adapters' table
-  entries are re-pointed at their new views under the same slot ids (the table's version bump
+  table holds the pool's weights (the extent as one span with its layout; lora/packed.py). When
+  a placement compacts the pool, the moved adapters' table entries are re-pointed at their new
+  place under the same slot ids (the table's version bump
   makes the device tables refresh in place, so captured decode graphs stay valid) and their
   generations bump. Without a pool each adapter is its own allocation (tests of this module).
 - On CUDA a load is two-phase (`reserve`, then `commit` once the side-stream copy into the
-  reserved views has completed, see h2d_copy.py): in between the revision is not resident, so no
-  step plan can name it.
+  reserved room has completed, see h2d_copy.py): in between the revision is not resident, so no
+  step plan can name it. Its slot and slot-table entry may be claimed in between
+  (`claim_slot`), so the kernels' pointer tables are updated while the copy runs.
 - A registry **hold** lasts from a request's admission to its finish. A slot **pin** lasts one
   step: `step_slots` pins the slots of the sequences scheduled in the step and `end_step`
   unpins them. Only a pinned slot is protected here, so queued requests cost no slot; the caller
@@ -88,6 +90,7 @@ class AdapterResidency:
         self._facts: dict[int, SlotFacts] = {}  # slot -> facts of its current content
         self._generation: dict[int, int] = {}  # slot -> generation, kept after a slot is freed
         self._free: list[int] = []  # freed slots, reused lowest first
+        self._claimed: dict[str, int] = {}  # reserved revision -> its slot, before `commit`
         self._next_slot = 0
         self._pinned: frozenset[int] = frozenset()
         # bumped whenever a revision's slot changes (load, evict): a slot map built at the same
@@ -111,7 +114,7 @@ class AdapterResidency:
 
     def reserve(self, revision: str, weights: AdapterWeights) -> AdapterWeights:
         """Room in the pool for `revision` without copying: returns the room as a span (weights
-        with `packed` and no pairs; `pool.weights(revision)` makes its views), which an
+        with `packed` and no pairs; `pool.weights(revision)` is the adapter there), which an
         asynchronous copy fills (adapters/h2d_copy.py). The revision is not resident (no step can
         read it) until `commit`; `unreserve` gives the room back."""
         assert self.pool is not None, "asynchronous loads need the device pool"
@@ -119,16 +122,35 @@ class AdapterResidency:
             raise ValueError(f"revision {revision[:12]} is already resident or reserved")
         return self._place(revision, weights, copy=False)
 
+    def claim_slot(self, revision: str) -> int:
+        """Give reserved `revision` its slot and slot-table entry now, while its copy runs, so the
+        kernels' tables are brought up to date (at the next step) before the copy completes rather
+        than after. Safe: until `commit` no step plan can name the slot (it maps no resident
+        revision, and its facts are unknown, so `check` calls any data naming it stale)."""
+        assert self.pool is not None and revision in self.pool.in_flight, revision[:12]
+        slot = self._claimed.get(revision)
+        if slot is None:
+            slot = self._claimed[revision] = self._take_slot()
+            self._generation[slot] = self._generation.get(slot, -1) + 1
+            self.table.set(slot, self.pool.weights(revision))
+            self.version += 1
+        return slot
+
     def commit(self, revision: str) -> SlotFacts:
         """The copy into `revision`'s reserved room has completed: make it resident."""
         assert self.pool is not None and revision in self.pool.in_flight, revision[:12]
+        slot = self.claim_slot(revision)
+        del self._claimed[revision]
         self.pool.settle(revision)
-        return self._install(revision, self.pool.weights(revision))
+        return self._resident(revision, slot, self.pool.weights(revision))
 
     def unreserve(self, revision: str) -> None:
         """Give back a reservation whose copy has completed or will never be read."""
         if self.pool is not None and revision in self.pool.in_flight:
             self.pool.free(revision)
+            slot = self._claimed.pop(revision, None)
+            if slot is not None:
+                self._release(slot)
 
     def _place(self, revision: str, weights: AdapterWeights, copy: bool) -> AdapterWeights:
         assert self.pool is not None
@@ -142,12 +164,14 @@ class AdapterResidency:
 
     def _install(self, revision: str, on_device: AdapterWeights) -> SlotFacts:
         slot = self._take_slot()
-        generation = self._generation.get(slot, -1) + 1
+        self._generation[slot] = self._generation.get(slot, -1) + 1
         self.table.set(slot, on_device)
-        # pool views carry their facts from the pool's layout: nothing here walks the pairs again
+        return self._resident(revision, slot, on_device)
+
+    def _resident(self, revision: str, slot: int, on_device: AdapterWeights) -> SlotFacts:
+        # pool weights carry their facts from the pool's layout: nothing here walks the pairs
         ranks, groups, max_rank = on_device.ranks, on_device.groups, on_device.max_rank
-        facts = SlotFacts(slot, generation, ranks, groups, max_rank, on_device.nbytes)
-        self._generation[slot] = generation
+        facts = SlotFacts(slot, self._generation[slot], ranks, groups, max_rank, on_device.nbytes)
         self._facts[slot] = facts
         self._slot_of[revision] = slot
         self.version += 1
@@ -161,10 +185,14 @@ class AdapterResidency:
         if slot in self._pinned:
             raise SlotInUseError(f"slot {slot} of revision {revision[:12]} is pinned by the running step")
         del self._slot_of[revision]
-        self.version += 1
         if self.pool is not None:
             self.pool.free(revision)
         del self._facts[slot]
+        self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        """Empty `slot` for reuse (next generation)."""
+        self.version += 1
         self._generation[slot] += 1
         self.table.clear(slot)
         self._free.append(slot)

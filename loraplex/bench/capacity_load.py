@@ -1,16 +1,28 @@
 """`loraplex bench capacity --load-latency`: how long an adapter load takes until a step may use
 its slot, against the time its bytes need at the pinned host -> device bandwidth, both measured
-in the same run.
+in the same run, and how much host CPU time a load costs.
 
 Per rank (r = 8 and 16 by default, all seven targets of every layer): one random adapter, packed
-in the host tier as serving keeps it (pinned on CUDA), is loaded into a device pool through the
-serving path (`AsyncLoads`: reserve, side-stream copy, event, commit) `repeats` times; each time
-runs from `start` until `finished()` reports the slot resident, polled in a tight loop. The
-bandwidth is the median time of `pinned.to(device, non_blocking=True)` plus a synchronize over
-`bandwidth_mib` MiB; the target is load time <= 1.5 x bytes / bandwidth.
+in the host tier as serving keeps it (pinned on CUDA), is loaded into a device pool that already
+holds `others` adapters, through the serving path, `repeats` times. Each load is timed from the
+load request until a step could use the slot, i.e. the same sequence a serving step runs:
 
-On the CPU (tests, tiny shapes) the copy is synchronous: the same bookkeeping runs, the numbers
-mean little.
+1. `AsyncLoads.start`: reserve the extent, queue the side-stream copy, claim the slot;
+2. the kernels' pointer tables brought up to date (`LoRADeviceTable.sync`, what the next step's
+   `begin_step` does: on CUDA it runs while the copy is in flight);
+3. `AsyncLoads.finished()` polled in a tight loop until it commits the load (its copy event has
+   completed), then the tables synced again (a no-op unless the commit changed them);
+4. on CUDA a device synchronize, so the tables' own upload has landed too.
+
+The previous load's eviction is left for step 2 to pick up, as a serving poll that evicts and
+loads at once would. The load time (`load_*_s`) is 1 to 4; the host time (`host_*_s`) is the
+CPU time of the calls in 1, 2 and 3 except the polls that found the copy still running, and on
+the CPU, where the copy is a synchronous memcpy, except the copy itself. The bandwidth is the
+median time of `pinned.to(device, non_blocking=True)` plus a synchronize over `bandwidth_mib`
+MiB; the target is load time <= 1.5 x bytes / bandwidth.
+
+On the CPU there is no copy engine, so the load time means little, but the host time is the
+same Python work the GPU's host does per load.
 """
 
 from __future__ import annotations
@@ -31,12 +43,17 @@ class _Done:
 
 
 class ImmediateCopier:
-    """The CPU stand-in for the side stream: copies at once, the event already complete."""
+    """The CPU stand-in for the side stream: copies at once (timed: `seconds`), the event already
+    complete."""
+
+    seconds = 0.0
 
     def copy(self, dst: Any, src: Any) -> _Done:  # noqa: ANN401
         from loraplex.adapters.h2d_copy import copy_weights
 
+        t0 = time.perf_counter()
         copy_weights(dst, src, non_blocking=False)
+        self.seconds = time.perf_counter() - t0
         return _Done()
 
 
@@ -74,6 +91,7 @@ def run(
     ranks: tuple[int, ...] = (8, 16),
     repeats: int = 20,
     bandwidth_mib: int = 256,
+    others: int = 4,
 ) -> dict[str, Any]:
     import torch
 
@@ -84,34 +102,56 @@ def run(
     from loraplex.bench.capacity_sweep import SweepArgs, _model_config
     from loraplex.bench.engine import random_adapter
     from loraplex.lora.layout import TARGETS
+    from loraplex.lora.triton_table import LoRADeviceTable
     from loraplex.lora.weights import LoRASlotTable
 
     dev = torch.device(device)
     mc = _model_config(SweepArgs(device=device, shape=shape, layers=layers))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    adapters = {r: random_adapter(mc, r, 7 + r, dtype, dev).weights for r in ranks}
-    probe = AdapterPool(1 << 20, dtype, "meta")
-    room = 2 * max(probe.footprint(w) for w in adapters.values())
-    residency = AdapterResidency(
-        LoRASlotTable(mc.num_hidden_layers, dtype), dtype, dev, AdapterPool(room, dtype, dev)
-    )
     host = HostCache(1 << 40, dtype, pin=dev.type == "cuda")
-    loads = build_async_loads(residency, dev) or AsyncLoads(residency, ImmediateCopier())
+    # as the host tier keeps them: one (pinned) buffer each
+    adapters = {r: host.host_copy(random_adapter(mc, r, 7 + r, dtype, dev).weights) for r in ranks}
+    probe = AdapterPool(1 << 20, dtype, "meta")
+    biggest = max(probe.footprint(w) for w in adapters.values())
+    table = LoRASlotTable(mc.num_hidden_layers, dtype, others + 1)
+    residency = AdapterResidency(table, dtype, dev, AdapterPool((others + 2) * biggest, dtype, dev))
+    for i in range(others):  # resident neighbours: the tables hold other slots, as when serving
+        residency.load(f"other-{i}", adapters[ranks[i % len(ranks)]])
+    cuda = dev.type == "cuda"
+    tables = LoRADeviceTable(torch.device("cuda", torch.cuda.current_device()) if cuda else dev)
+    tables.sync(table)
+    copier = ImmediateCopier()
+    loads = build_async_loads(residency, dev) or AsyncLoads(residency, copier)
     bandwidth = bandwidth_mib * (1 << 20) / h2d_seconds(dev, bandwidth_mib << 20, repeats)
     per_rank = []
-    for rank, weights in adapters.items():
-        packed = host.host_copy(weights)  # as the host tier keeps it: one pinned buffer
-        times = []
+    for rank, packed in adapters.items():
+        times, host_times = [], []
+        previous = None
         for i in range(repeats + 1):
             revision = f"r{rank}-{i}"
+            if previous is not None:
+                residency.evict(previous)  # picked up by this load's table sync, as in serving
             _sync(dev)
             t0 = time.perf_counter()
             loads.start(revision, packed)
-            while not loads.finished():
-                pass
+            tables.sync(table)
+            host_s = time.perf_counter() - t0 - copier.seconds
+            while True:
+                t1 = time.perf_counter()
+                done = loads.finished()
+                if done:
+                    tables.sync(table)
+                    host_s += time.perf_counter() - t1
+                    break
+            _sync(dev)
+            t2 = time.perf_counter()
+            assert done == [revision], done
             if i:  # the first one warms the side stream and the copy path
-                times.append(time.perf_counter() - t0)
-            residency.evict(revision)
+                times.append(t2 - t0)
+                host_times.append(host_s)
+            previous = revision
+        if previous is not None:
+            residency.evict(previous)
         nbytes = packed.nbytes
         bound = nbytes / bandwidth
         per_rank.append(
@@ -120,6 +160,8 @@ def run(
                 "bytes": nbytes,
                 "load_median_s": statistics.median(times),
                 "load_max_s": max(times),
+                "host_median_s": statistics.median(host_times),
+                "host_max_s": max(host_times),
                 "same_bytes_pinned_copy_s": h2d_seconds(dev, nbytes, repeats),
                 "copy_bound_s": bound,
                 "ratio": statistics.median(times) / bound,
@@ -135,6 +177,8 @@ def run(
         "dtype": str(dtype).removeprefix("torch."),
         "targets": list(TARGETS),
         "repeats": repeats,
+        "other_resident_adapters": others,
+        "host_time_excludes_cpu_memcpy": dev.type != "cuda",
         "bandwidth_copy_bytes": bandwidth_mib << 20,
         "h2d_bytes_per_s": bandwidth,
         "per_rank": per_rank,

@@ -10,8 +10,8 @@ from typing import Any
 from loraplex.bench.plots import pyplot
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f}"
+def _ms(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x * 1e3:.{digits}f}"
 
 
 def thrash_markdown(report: dict[str, Any]) -> str:
@@ -91,13 +91,20 @@ def load_markdown(report: dict[str, Any]) -> str:
         f"{report['h2d_bytes_per_s'] / 1e9:.2f} GB/s ({report['bandwidth_copy_bytes'] >> 20} MiB copies, "
         f"median of {report['repeats']}).",
         "",
-        "| rank | MiB | load median ms | load max ms | bytes / bandwidth ms | ratio (target <= 1.5) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"Load: from the load request until a step could use the slot (copy complete, committed, "
+        f"the kernels' tables pointing at it), {report.get('other_resident_adapters', 0)} other "
+        f"adapters resident. Host: the CPU time of the load's calls"
+        f"{' (the CPU memcpy left out)' if report.get('host_time_excludes_cpu_memcpy') else ''}.",
+        "",
+        "| rank | MiB | load median ms | load max ms | host median ms | bytes / bandwidth ms "
+        "| ratio (target <= 1.5) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in report["per_rank"]:
         lines.append(
-            f"| {r['rank']} | {r['bytes'] / (1 << 20):.1f} | {_ms(r['load_median_s'])} "
-            f"| {_ms(r['load_max_s'])} | {_ms(r['copy_bound_s'])} | {r['ratio']:.2f} |"
+            f"| {r['rank']} | {r['bytes'] / (1 << 20):.1f} | {_ms(r['load_median_s'], 2)} "
+            f"| {_ms(r['load_max_s'], 2)} | {_ms(r.get('host_median_s'), 3)} | {_ms(r['copy_bound_s'], 2)} "
+            f"| {r['ratio']:.2f} |"
         )
     return "\n".join([*lines, ""])
 

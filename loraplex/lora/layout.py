@@ -17,6 +17,15 @@ GROUP_SLICES: dict[str, tuple[str, ...]] = {
 
 TARGET_GROUP: dict[str, str] = {t: g for g, ts in GROUP_SLICES.items() for t in ts}
 
+TARGET_INDEX: dict[str, int] = {t: i for i, t in enumerate(TARGETS)}
+
+
+def pair_row(layer: int, target: str) -> int:
+    """Row of (layer, target) in the kernels' per-slot tables (`lora/triton_table.py`), and its bit
+    in a slot's coverage mask."""
+    return layer * len(TARGETS) + TARGET_INDEX[target]
+
+
 # Hugging Face module names of each target inside a decoder layer.
 HF_MODULE_NAMES: dict[str, str] = {
     "q": "self_attn.q_proj",

@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from loraplex.lora.layout import TARGET_GROUP
+
+if TYPE_CHECKING:
+    from loraplex.lora.packed import PackedLayout
 
 
 @dataclass(frozen=True)
@@ -58,9 +61,11 @@ class AdapterWeights:
 
     pairs: Mapping[tuple[int, str], LoRAPair]
     # When set: the one 1-D buffer every tensor of `pairs` is a view into, laid out from its start
-    # as a device pool extent (`adapters/device_pool.layout`): the host tier's copies and the
-    # pool's views carry it, so a load copies one span without looking at hundreds of tensors.
+    # as `layout` says (`lora/packed.py`): the host tier's copies and the device pool's extents
+    # carry both, so a load copies one span and fills the kernels' tables without looking at
+    # hundreds of tensors.
     packed: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    layout: PackedLayout | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def with_facts(
@@ -68,11 +73,12 @@ class AdapterWeights:
         pairs: Mapping[tuple[int, str], LoRAPair],
         facts: WeightFacts,
         packed: torch.Tensor | None = None,
+        layout: PackedLayout | None = None,
     ) -> AdapterWeights:
         """Weights whose facts are known already: views laid out exactly like weights measured
-        before (the device pool's, adapters/device_pool.py), so a load does not walk hundreds of
-        pairs again for numbers it has."""
-        weights = cls(pairs, packed)
+        before (`lora/packed.py`), so a load does not walk hundreds of pairs again for numbers it
+        has."""
+        weights = cls(pairs, packed, layout)
         weights.__dict__.update(facts._asdict())  # where the cached properties below keep them
         return weights
 
@@ -103,6 +109,9 @@ class AdapterWeights:
         )
 
 
+_LOG_KEPT = 4096  # slot changes a table remembers for `changed_since`
+
+
 class LoRASlotTable:
     """slot -> adapter weights, as seen by the LoRA op.
 
@@ -122,6 +131,9 @@ class LoRASlotTable:
         # Bumped on every change, so device-side copies (pointer tables, CUDA-graph buffers) know
         # when to refresh without diffing.
         self.version = 0
+        # the slots of the latest changes, oldest first: change i made version _log_start + i + 1
+        self._log: list[int] = []
+        self._log_start = 0
 
     def __contains__(self, slot: int) -> bool:
         return slot in self._slots
@@ -131,11 +143,26 @@ class LoRASlotTable:
 
     def set(self, slot: int, weights: AdapterWeights) -> None:
         self._slots[slot] = weights
-        self.version += 1
+        self._changed(slot)
 
     def clear(self, slot: int) -> None:
         if self._slots.pop(slot, None) is not None:
-            self.version += 1
+            self._changed(slot)
+
+    def _changed(self, slot: int) -> None:
+        self.version += 1
+        self._log.append(slot)
+        if len(self._log) > _LOG_KEPT:
+            half = len(self._log) // 2
+            del self._log[:half]
+            self._log_start += half
+
+    def changed_since(self, version: int) -> list[int] | None:
+        """The slots changed after `version` (with repeats, oldest first), so a device-side copy
+        refreshes just those; None when that is too long ago to tell (refresh everything)."""
+        if not self._log_start <= version <= self.version:
+            return None
+        return self._log[version - self._log_start :]
 
     def items(self) -> list[tuple[int, AdapterWeights]]:
         return sorted(self._slots.items())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loraplex.adapters.device_pool import ALIGN, AdapterPool, PoolFullError
-from loraplex.lora.triton_table import _kernel_ready
+from loraplex.lora.triton_entries import kernel_ready
 from loraplex.lora.weights import AdapterWeights, LoRAPair
 
 # (d_in, d_out) per target: mixed widths, one (36) whose rows are not a multiple of 16 bytes in fp16
@@ -38,7 +38,7 @@ def _check_views(pool: AdapterPool, placed: AdapterWeights, ref: AdapterWeights)
     for key, pair in placed.pairs.items():
         for view, src in ((pair.a, ref.pairs[key].a), (pair.b, ref.pairs[key].b)):
             assert view.is_contiguous() and view.data_ptr() % ALIGN == 0
-            assert _kernel_ready(view) is view  # the kernels' tables address the pool itself, no copy
+            assert kernel_ready(view) is view  # the kernels' tables address the pool itself, no copy
             assert view.untyped_storage().data_ptr() == pool.buffer.untyped_storage().data_ptr()
             assert torch.equal(view, src.to(pool.dtype))
         assert pair.scale == ref.pairs[key].scale

@@ -7,12 +7,16 @@ wrong outputs) instead of passing by luck.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from loraplex.adapters.device_pool import AdapterPool
 from loraplex.adapters.h2d_copy import AsyncLoads, copy_weights, packed_spans
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.residency import AdapterResidency
+from loraplex.bench.capacity_load import ImmediateCopier
+from loraplex.lora.triton_table import LoRADeviceTable
 from loraplex.lora.weights import AdapterWeights, LoRAPair, LoRASlotTable
 
 DTYPE = torch.float32
@@ -139,3 +143,42 @@ def test_cancel_gives_the_room_back() -> None:
     assert res.pool is not None and res.pool.allocated_bytes > 0
     loads.cancel("r")
     assert res.pool.allocated_bytes == 0 and "r" not in loads and not res.is_resident("r")
+
+
+def _calls_of_one_load(layers: int) -> int:
+    """Python and C function calls of one load of a `layers`-layer adapter from the host tier,
+    from its start until the kernels' tables point at it (its layout seen once before)."""
+    host = HostCache(1 << 30, DTYPE).host_copy(_weights(5, rank=8, layers=layers))
+    table = LoRASlotTable(layers, DTYPE, capacity=4)
+    res = AdapterResidency(table, DTYPE, "cpu", AdapterPool(1 << 22, DTYPE, "cpu"))
+    tables = LoRADeviceTable(torch.device("cpu"))
+    loads = AsyncLoads(res, ImmediateCopier())
+
+    def load(revision: str) -> None:
+        loads.start(revision, host)
+        tables.sync(table)  # the next step's (on CUDA while the copy runs)
+        assert loads.finished() == [revision]
+        tables.sync(table)
+
+    load("warm")  # the layout's per-pair arrays and column image, once per layout
+    res.evict("warm")
+    calls = 0
+
+    def count(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        load("r")
+    finally:
+        sys.setprofile(None)
+    assert not res.weights("r").pairs.built  # type: ignore[attr-defined]  # no tensor views made
+    assert _equal(res.weights("r"), host)
+    return calls
+
+
+def test_a_loads_host_work_does_not_grow_with_its_pairs() -> None:
+    """A 16-layer adapter's load makes exactly as many calls as a 2-layer one's: nothing on the
+    path from the load's start to usable kernel tables walks the (layer, target) pairs."""
+    assert _calls_of_one_load(16) == _calls_of_one_load(2)

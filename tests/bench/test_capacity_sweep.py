@@ -32,6 +32,7 @@ def test_smoke_sweep_and_load_latency_write_their_reports(tmp_path: Path) -> Non
     load = json.loads((out / "load_latency.json").read_text())
     assert [r["rank"] for r in load["per_rank"]] == [8, 16]
     assert all(r["load_median_s"] > 0 and r["bytes"] > 0 for r in load["per_rank"])
+    assert all(0 < r["host_median_s"] <= r["load_median_s"] for r in load["per_rank"])
     assert (out / "load_latency.md").exists()
 
 

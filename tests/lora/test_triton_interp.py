@@ -21,12 +21,23 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CUDA present: test_triton_gpu.py covers this"
 )
 
-from lora.lora_cases import SMALL_SHAPES, make_table, random_ranks, reference, row_errors, slice_offsets  # noqa: E402
+from lora.lora_cases import (  # noqa: E402
+    SMALL_SHAPES,
+    make_table,
+    random_adapter,
+    random_ranks,
+    reference,
+    row_errors,
+    slice_offsets,
+)
+from loraplex.adapters.device_pool import AdapterPool  # noqa: E402
+from loraplex.adapters.host_cache import HostCache  # noqa: E402
+from loraplex.adapters.residency import AdapterResidency  # noqa: E402
 from loraplex.bench.workloads import POPULARITIES, adapter_choices  # noqa: E402
 from loraplex.lora.metadata import LoRABatchMetadata, StaticLoRAShape  # noqa: E402
 from loraplex.lora.ops_triton import TritonLoRABackend  # noqa: E402
 from loraplex.lora.triton_config import DECODE, PREFILL, DecodeTiling  # noqa: E402
-from loraplex.lora.weights import AdapterWeights, LoRAPair  # noqa: E402
+from loraplex.lora.weights import AdapterWeights, LoRAPair, LoRASlotTable  # noqa: E402
 
 DTYPE = torch.float32  # the interpreter runs fp32/fp16 only
 # The split launch at these tiny sizes: K split in chunks of >= 2 steps of 16, 16-column expand
@@ -357,3 +368,33 @@ def test_segment_tables_only_for_replayed_steps() -> None:
     be.begin_step(meta, table, CPU, replayed=True)
     assert _seg_tables(be, meta) is not None
     _check_all_groups(be, [0, 1, 1, -1, 0], table)  # and its calls give the reference's result
+
+
+def test_adapters_in_the_device_pool_read_through_their_layouts() -> None:
+    """Adapters placed in the device pool (their table columns written from the extent's place and
+    the layout's offsets, no tensor views), moved by a compaction, evicted and reloaded: the
+    kernels compute what the torch reference computes from the adapters' own tensors."""
+    gen = torch.Generator().manual_seed(21)
+    host = HostCache(1 << 30, DTYPE)
+    copies = [host.host_copy(random_adapter(SMALL_SHAPES, 1, r, DTYPE, "cpu", gen)) for r in (8, 16, 8, 16)]
+    unit = AdapterPool(1 << 20, DTYPE, "cpu").footprint(copies[1])  # a rank-16 one; rank 8: half
+    table = LoRASlotTable(1, DTYPE, capacity=4)
+    res = AdapterResidency(table, DTYPE, "cpu", AdapterPool(unit * 5 // 2, DTYPE, "cpu"))
+    assert res.pool is not None
+    be = _backend(SMALL_DECODE)
+
+    def check(revisions: list[int], seed: int) -> None:
+        slots = [res.facts(f"a{i}").slot for i in revisions for _ in range(3)]
+        _check_all_groups(be, [*slots, -1], table, seed=seed)
+
+    for i in range(3):
+        res.load(f"a{i}", copies[i])
+    check([0, 1, 2], 1)
+    res.evict("a0")  # free: half a unit at each end
+    res.load("a3", copies[3])  # a whole unit: the pool compacts
+    assert res.pool.compactions == 1
+    check([3, 1, 2], 2)
+    res.evict("a1")
+    res.load("a0", copies[0])  # reloaded into another place and slot
+    check([0, 3, 2], 3)
+    assert be.device_table(CPU).uploads == 4  # one column image per layout, none per load
