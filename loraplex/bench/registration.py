@@ -117,7 +117,7 @@ class _Traffic:
         self.durations: list[float] = []
         self._ids = 0
         self._live: set[str] = set()
-        step = self.engine.step
+        step = self.engine.step_overlapped  # what the engine thread calls in its loop
 
         def timed() -> Any:  # noqa: ANN401
             start = time.perf_counter()
@@ -130,7 +130,7 @@ class _Traffic:
             self._top_up()
             return deltas
 
-        self.engine.step = timed  # the engine thread calls this in its loop
+        self.engine.step_overlapped = timed
 
     def _top_up(self) -> None:
         while len(self._live) < self.streams:  # on the engine thread: safe to admit here
