@@ -86,6 +86,7 @@ def run_in_process(
     busy_steps = 0
     start = time.perf_counter()
     launched_at: float | None = None  # when the step in flight was launched
+    spoiled: float | None = None  # launch time of a step whose interval the profiler's start or stop took
     while pending or live:
         now = time.perf_counter() - start
         while pending and (
@@ -135,7 +136,9 @@ def run_in_process(
             busy_steps += 1
             if busy_steps >= BUSY_STEPS:
                 busy.stop()
-        if stats is not None:
+                spoiled = launched_at
+        # (a step in flight while the profiler started or stopped took that time too: not a step time)
+        if stats is not None and t0 != spoiled:
             steps.append(
                 StepRecord(
                     t0 - start,
@@ -169,8 +172,10 @@ def run_in_process(
                 bar.update(1)
                 if len(done) == busy_from and busy_to > busy_from:
                     busy.start()
+                    spoiled = launched_at
                 elif len(done) == busy_to:
                     busy.stop()
+                    spoiled = launched_at
     bar.close()
     busy.stop()  # a no-op unless the window is still open
     wall = time.perf_counter() - start
