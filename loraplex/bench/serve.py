@@ -36,7 +36,8 @@ class Replay:
 
     # A request's prompt (default: its text, else random token ids from the workload's seed).
     prompt_of: Callable[[WorkloadRequest], str | list[int]] | None = None
-    cache_salt: str | None = None  # every request's prefix-cache salt
+    # every request's prefix-cache salt, or each request's own (a function of the request)
+    cache_salt: str | Callable[[WorkloadRequest], str] | None = None
     logprobs: int | None = None  # top logprobs per generated token
     # Filled with each finished request's output, by workload index, and its timing.
     outputs: dict[int, RequestOutput] | None = None
@@ -108,7 +109,8 @@ def run_in_process(
             arrival = now if concurrency is not None else (req.arrival_s or 0.0)
             tier = "base" if adapter is None else (tier_of(adapter) if tier_of is not None else None)
             t_add = time.perf_counter() - start
-            engine.add_request(rid, prompt, params, adapter, cache_salt=replay.cache_salt)
+            salt = replay.cache_salt(req) if callable(replay.cache_salt) else replay.cache_salt
+            engine.add_request(rid, prompt, params, adapter, cache_salt=salt)
             timing = RequestTiming(
                 req.index,
                 req.tenant,

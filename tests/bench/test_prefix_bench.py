@@ -31,33 +31,40 @@ def test_the_report_has_its_fields(report: tuple[dict, Path]) -> None:
     for section in ("startup", "cache_off_startup"):
         assert {"warmup_s", "kernel_compiles", "graph_captures"} <= set(r[section])
     assert set(r["after_startup"]) == set(r["measured_runs"]) == {"kernel_compiles", "graph_captures"}
-    assert {"cold", "prime", "warm", "cache_off"} <= set(r["runs"])
-    for name in ("cold", "warm", "cache_off"):
+    assert {"cold_unshared", "cold", "prime", "warm", "cache_off"} <= set(r["runs"])
+    for name in ("cold_unshared", "cold", "warm", "cache_off"):
         run = r["runs"][name]
         assert len(run["requests"]) == args.requests
         assert all(len(q["token_ids"]) == args.output_len for q in run["requests"])
         assert set(run["ttft_s"]) == {"p50", "p90", "p99", "mean"} and run["ttft_s"]["p50"] > 0
         # the percentiles are those of the per-request TTFTs kept beside them
         assert run["ttft_s"] == percentiles([q["ttft_s"] for q in run["requests"]])
-    assert set(r["ratios"]) == {"warm_vs_cold", "warm_vs_cache_off", "cold_vs_cache_off"}
+    ratios = {"warm_vs_cold_unshared", "warm_vs_cold", "warm_vs_cache_off", "cold_vs_cache_off"}
+    assert set(r["ratios"]) == ratios
     assert r["ratios"]["warm_vs_cold"] == ttft_ratios(r["runs"]["warm"], r["runs"]["cold"])
-    assert {"ttft_ratio_max", "ttft_ratio_pass", "identical_outputs"} <= set(r["target"])
+    unshared = ttft_ratios(r["runs"]["warm"], r["runs"]["cold_unshared"])
+    assert r["ratios"]["warm_vs_cold_unshared"] == unshared
+    target = {"ttft_ratio_max", "ttft_ratio_pass", "ttft_ratio_pass_vs_shared_cold", "identical_outputs"}
+    assert target <= set(r["target"])
 
 
 def test_warm_hits_the_system_prompt_and_equals_cold(report: tuple[dict, Path]) -> None:
     r, _ = report
     runs, bs, prefix = r["runs"], r["model"]["block_size"], r["args"]["prefix_len"]
     warm, cold, off = runs["warm"]["requests"], runs["cold"]["requests"], runs["cache_off"]["requests"]
+    unshared = runs["cold_unshared"]["requests"]
     # every warm request found its adapter's system prompt (its full blocks), and no more: its
     # suffix blocks were cached under the cold run's salt only
     assert all(q["cached_tokens"] == prefix // bs * bs > 0 for q in warm)
     assert all(q["cached_tokens"] == 0 for q in off)
+    assert all(q["cached_tokens"] == 0 for q in unshared)  # a salt per request: nothing shared
     # each adapter's first cold request found nothing cached
     assert min(q["cached_tokens"] for q in cold) == 0
-    for a, b, c in zip(cold, warm, off, strict=True):
-        assert a["index"] == b["index"] == c["index"]
-        assert a["token_ids"] == b["token_ids"] == c["token_ids"], a["index"]
+    for a, b, c, d in zip(cold, warm, off, unshared, strict=True):
+        assert a["index"] == b["index"] == c["index"] == d["index"]
+        assert a["token_ids"] == b["token_ids"] == c["token_ids"] == d["token_ids"], a["index"]
     assert r["outputs"]["warm_vs_cold"]["identical"] == len(warm)
+    assert r["outputs"]["cold_unshared_vs_cold"]["identical"] == len(warm)
     assert r["target"]["identical_outputs"] is True
 
 
