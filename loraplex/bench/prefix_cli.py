@@ -50,7 +50,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"greedy tokens {name.replace('_', ' ')}: {same['identical']}/{same['requests']} identical")
     target = report["target"]
     limit, same = target["ttft_ratio_max"], target["identical_outputs"]
-    print(f"{verdict(target['ttft_ratio_pass'] and same)}  TTFT warm <= {limit} x cold (nothing shared), same greedy tokens")
+    passed = verdict(target["ttft_ratio_pass"] and same)
+    print(f"{passed}  TTFT warm <= {limit} x cold (nothing shared), same greedy tokens")
     if target["ttft_ratio_pass_vs_cache_off"] is not None:
         print(f"{verdict(target['ttft_ratio_pass_vs_cache_off'] and same)}  the same against no prefix cache")
     print(f"wrote {args.out}/prefix.json, prefix.md, prefix.png")
