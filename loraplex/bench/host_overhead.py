@@ -89,7 +89,7 @@ def _stub_runner(engine: Engine, logits: torch.Tensor, forward_ms: float, spent:
     if forward_ms > 0:
         cycles = _sleep_cycles_per_ms(logits.device) * forward_ms
 
-    def run(plan: Any, slots: Any) -> ForwardResult:  # noqa: ARG001 (the runner's signature)
+    def run(plan: Any, slots: Any, **_: Any) -> ForwardResult:  # noqa: ARG001 (the runner's signature)
         t0 = time.perf_counter()
         if cycles:
             torch.cuda._sleep(int(cycles))

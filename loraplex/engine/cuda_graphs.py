@@ -31,6 +31,7 @@ import torch
 
 from loraplex.adapters.residency import StepSlots
 from loraplex.config import EngineConfig
+from loraplex.engine.pending_tokens import PendingTokens
 from loraplex.engine.scheduler import StepPlan
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.static_inputs import StaticInputs, StepShape, batch_bucket, token_bucket, token_buckets
@@ -148,22 +149,20 @@ class StaticStepRunner:
         return shape
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, slots: StepSlots, shape: StepShape | None = None) -> StaticRun:
+    def run(
+        self,
+        plan: StepPlan,
+        slots: StepSlots,
+        shape: StepShape | None = None,
+        pending: PendingTokens | None = None,
+    ) -> StaticRun:
         """The step on the static buffers of `shape` (by default `shape_for(plan)`, which must
-        not be None)."""
+        not be None); `pending`: the step in flight's tokens, for rows at pending positions."""
         shape = shape or self.shape_for(plan)
         assert shape is not None, "a step the graphs do not take"
         chunks = plan.chunks
         inputs = self._inputs_for(shape)
-        bs = self.kv.block_size
-        if shape.mixed:
-            runs = inputs.fill_mixed(chunks, slots.slots, bs)
-            lora_key, distinct = inputs.lora.pack_runs(runs)
-            sample_chunks = tuple(i for i, c in enumerate(chunks) if c.completes)
-        else:
-            inputs.fill_decode(chunks, bs)
-            lora_key, distinct = inputs.lora.pack(slots.slots)
-            sample_chunks = tuple(range(len(chunks)))
+        lora_key, distinct, pending_rows = self._fill(inputs, chunks, slots)
         if lora_key is not None and lora_key.epoch != self._epoch:
             # the device tables were reallocated: graphs of the older epoch read freed ones
             self._graphs = {k: g for k, g in self._graphs.items() if k.lora is None}
@@ -173,12 +172,11 @@ class StaticStepRunner:
         if captured is None:
             captured = self._record(key, inputs)
             if captured.graph is not None:  # the capture recorded an all-padding step: write ours again
-                if shape.mixed:
-                    inputs.lora.pack_runs(inputs.fill_mixed(chunks, slots.slots, bs))
-                else:
-                    inputs.fill_decode(chunks, bs)
-                    inputs.lora.pack(slots.slots)
+                self._fill(inputs, chunks, slots)
         inputs.upload()
+        if pending_rows:
+            assert pending is not None, "a row at a pending position without the step in flight"
+            pending.patch(inputs.ids, pending_rows)
         if captured.graph is not None:
             captured.graph.replay()
             logits = captured.logits
@@ -187,7 +185,24 @@ class StaticStepRunner:
         self.replays += 1
         self.mixed_replays += shape.mixed
         assert logits is not None
+        if shape.mixed:
+            sample_chunks = tuple(i for i, c in enumerate(chunks) if c.completes)
+        else:
+            sample_chunks = tuple(range(len(chunks)))
         return StaticRun(logits[: len(sample_chunks)], sample_chunks, distinct)
+
+    def _fill(
+        self, inputs: StaticInputs, chunks: tuple, slots: StepSlots
+    ) -> tuple[LoRAGraphKey | None, int, list[tuple[int, Sequence]]]:
+        """Write the step into the host buffers: (the LoRA key, distinct adapters, pending rows)."""
+        bs = self.kv.block_size
+        if inputs.shape.mixed:
+            runs, pending_rows = inputs.fill_mixed(chunks, slots.slots, bs)
+            lora_key, distinct = inputs.lora.pack_runs(runs)
+        else:
+            pending_rows = inputs.fill_decode(chunks, bs)
+            lora_key, distinct = inputs.lora.pack(slots.slots)
+        return lora_key, distinct, pending_rows
 
     def shapes(self) -> list[StepShape]:
         """Every shape a step can take: the decode buckets, then the token buckets."""

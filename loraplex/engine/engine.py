@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.adapter_admission import AdapterAdmission
 from loraplex.engine.cuda_graphs import StaticStepRunner, admission_batch_tokens, graph_limits
 from loraplex.engine.model_runner import ForwardResult, ModelRunner
+from loraplex.engine.pending_tokens import PendingTokens
 from loraplex.engine.prompt_tokens import eos_token_ids, prompt_token_ids
 from loraplex.engine.sampler import PendingSample, Sampler
 from loraplex.engine.scheduler import Scheduler, StepPlan
@@ -140,6 +142,7 @@ class Engine:
         self.scheduler = Scheduler(
             sc, self.pool, block_size, self.admission.ready, batch_tokens, prefix=self.prefix_cache
         )
+        self.scheduler.max_model_len = self.max_model_len
         if self.prefix_cache is not None:
             self.admission.drop_cached = self.prefix_cache.drop_revision
         self.runner = ModelRunner(
@@ -154,7 +157,7 @@ class Engine:
         # Live requests with max_tokens=0: while there are none, a step does no per-row check for them.
         self._num_scoring = 0
         self.last_stats: StepStats | None = None
-        self._in_flight: _InFlight | None = None  # a launched step not yet completed
+        self._in_flight: deque[_InFlight] = deque()  # launched steps not yet completed, oldest first
         # The model and tables are built: collect once and move everything alive now out of the
         # collector's reach, so no full collection over them lands inside a step later.
         gc.collect()
@@ -311,18 +314,23 @@ class Engine:
         return done + failed + self._complete()
 
     def step_overlapped(self) -> list[RequestDelta]:
-        """A serving loop's step: complete the step in flight (wait for its tokens, stop checks),
-        launch the next one, and return the completed step's deltas, so the caller handles them
-        while the device runs the next step. The same state changes, in the same order, as
-        `step()` calls; between two calls one step is in flight (`abort` may end one of its
-        sequences: its token is dropped)."""
+        """A serving loop's step, one ahead: launch the next step while the one in flight still
+        runs (its tokens stay on the device, where the next step's inputs read them), then
+        complete the one in flight (its tokens to the host, stop checks) and return its deltas,
+        so the host work of a step and the caller's handling of its deltas overlap the device's
+        work on the next. Between two calls one step is in flight. A request that the completed
+        step ends by EOS or a stop has one more row in the next step, whose token is dropped (as
+        is the in-flight token of a request `abort` ends); one its tokens end by length is left
+        out of the next step's plan."""
         self.last_stats = None
-        done = self._complete()
-        return done + self._launch()
+        in_flight = bool(self._in_flight)
+        failed = self._launch()
+        return failed + (self._complete() if in_flight else [])
 
     def _launch(self) -> list[RequestDelta]:
-        """Schedule a step and queue its device work (forward and sampling); sets it in flight."""
-        assert self._in_flight is None, "a step is in flight: complete it first"
+        """Schedule a step and queue its device work (forward and sampling); sets it in flight.
+        With a step already in flight, its sampled tokens are the pending inputs of this one."""
+        assert len(self._in_flight) < 2, "two steps in flight: complete one first"
         failed: list[RequestDelta] = []
         if self.tiers.busy:  # place finished adapter loads, between steps (no slot is pinned)
             failed = self._abort_all(self.admission.failed_loads(self.scheduler.waiting))
@@ -334,21 +342,34 @@ class Engine:
         calls_before = self.lora_backend.total_calls
         # The step's slot map, its slots pinned while it runs (only scheduled sequences pin).
         slots = self.slot_map(plan)
+        pending = self._pending_tokens()
         try:
             self.residency.check(slots)
-            result = self.runner.run(plan, slots)
+            result = self.runner.run(plan, slots, pending=pending)
         finally:
             self.residency.end_step()
         self._begin(plan, result, self.lora_backend.total_calls - calls_before)
         return failed
 
+    def _pending_tokens(self) -> PendingTokens | None:
+        """The in-flight step's sampled tokens, still on the device, by sequence."""
+        if not self._in_flight or self._in_flight[-1].sample is None:
+            return None
+        f = self._in_flight[-1]
+        assert f.sample is not None
+        return PendingTokens(f.sample.tokens, {seq: i for i, seq in enumerate(f.sampled)})
+
     def _postprocess(self, plan: StepPlan, result: ForwardResult) -> list[RequestDelta]:
         """Sample and complete a step whose forward ran outside `step()` (tests and benches)."""
+        assert not self._in_flight, "a step is in flight"
         self._begin(plan, result, 0)
         return self._complete()
 
     def _begin(self, plan: StepPlan, result: ForwardResult, lora_calls: int) -> None:
-        """Queue the sampling of a step whose forward was launched; sets it in flight."""
+        """Queue the sampling of a step whose forward was launched; sets it in flight. Its rows
+        count as computed from now on (the device writes them before anything that reads them)."""
+        for chunk in plan.chunks:
+            chunk.seq.num_computed += chunk.num_tokens
         seqs = [plan.chunks[i].seq for i in result.sample_chunks]
         logits = result.sample_logits
         scored: list[Sequence] = []
@@ -357,19 +378,19 @@ class Engine:
         sample = None
         if seqs:
             sample = self.sampler.launch(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        self._in_flight = _InFlight(plan, result, scored, seqs, sample, lora_calls)
+            for seq in seqs:
+                seq.pending += 1
+        self._in_flight.append(_InFlight(plan, result, scored, seqs, sample, lora_calls))
 
     def _complete(self) -> list[RequestDelta]:
-        """The step in flight's results: logprobs, tokens, stop checks, deltas (one host sync)."""
-        f = self._in_flight
-        if f is None:
+        """The oldest step in flight's results: logprobs, tokens, stop checks, deltas (one host
+        sync)."""
+        if not self._in_flight:
             return []
-        self._in_flight = None
+        f = self._in_flight.popleft()
         plan, result = f.plan, f.result
         if result.prompt_rows:
             record_prompt_logprobs(plan, result)
-        for chunk in plan.chunks:
-            chunk.seq.num_computed += chunk.num_tokens
         deltas: list[RequestDelta] = []
         add = deltas.append
         finished = SequenceStatus.FINISHED
@@ -387,8 +408,9 @@ class Engine:
             check = self.stop.check
             max_len = self.max_model_len
             for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+                seq.pending -= 1
                 if seq.status is finished:
-                    continue  # aborted while its step was in flight
+                    continue  # ended while its step was in flight (abort; EOS or a stop before)
                 seq.output_token_ids.append(token)
                 if lp is not None:
                     seq.logprobs.append(lp)

@@ -8,7 +8,9 @@ import torch
 
 from loraplex.adapters.residency import StepSlots
 from loraplex.engine.cuda_graphs import StaticStepRunner
+from loraplex.engine.pending_tokens import PendingTokens
 from loraplex.engine.scheduler import StepPlan
+from loraplex.engine.sequence import Sequence
 from loraplex.host_to_device import to_device
 from loraplex.kv.kv_cache import PagedKVCache
 from loraplex.layers.attention_metadata import AttentionMetadata
@@ -55,14 +57,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, plan: StepPlan, slots: StepSlots, hidden_capture: dict[int, torch.Tensor] | None = None
+        self,
+        plan: StepPlan,
+        slots: StepSlots,
+        hidden_capture: dict[int, torch.Tensor] | None = None,
+        pending: PendingTokens | None = None,
     ) -> ForwardResult:
-        """One forward over the plan's rows; `slots` is the step's slot map from residency."""
+        """One forward over the plan's rows; `slots` is the step's slot map from residency;
+        `pending`: where the input ids of rows at pending positions come from."""
         static = self.static_steps
         shape = static.shape_for(plan) if static is not None and hidden_capture is None else None
         if shape is not None:
             assert static is not None
-            out = static.run(plan, slots, shape)
+            out = static.run(plan, slots, shape, pending)
             return ForwardResult(
                 sample_logits=out.logits,
                 sample_chunks=out.sample_chunks,
@@ -71,10 +78,14 @@ class ModelRunner:
                 num_adapters=out.num_adapters,
                 static_replay=True,
             )
-        return self._run_eager(plan, slots, hidden_capture)
+        return self._run_eager(plan, slots, hidden_capture, pending)
 
     def _run_eager(
-        self, plan: StepPlan, slot_map: StepSlots, hidden_capture: dict[int, torch.Tensor] | None
+        self,
+        plan: StepPlan,
+        slot_map: StepSlots,
+        hidden_capture: dict[int, torch.Tensor] | None,
+        pending: PendingTokens | None = None,
     ) -> ForwardResult:
         bs = self.kv.block_size
         input_ids: list[int] = []
@@ -87,13 +98,18 @@ class ModelRunner:
         sample_chunks: list[int] = []
         prompt_rows: list[int] = []
         prompt_meta: list[PromptLogprobRow] = []
+        pending_rows: list[tuple[int, Sequence]] = []
         for ci, (chunk, adapter_slot) in enumerate(zip(plan.chunks, slot_map.slots, strict=True)):
             seq = chunk.seq
             start = seq.num_computed
             end = start + chunk.num_tokens
             table = seq.block_ids
             lora_runs.append((adapter_slot, len(input_ids), end - start))
-            input_ids.extend(seq.tokens_between(start, end))
+            if seq.pending and end > seq.num_tokens:  # its one row is at a pending position
+                pending_rows.append((len(input_ids), seq))
+                input_ids.append(0)
+            else:
+                input_ids.extend(seq.tokens_between(start, end))
             positions.extend(range(start, end))
             # KV slots block by block: each block's positions are one contiguous run of slots
             for b in range(start // bs, -(-end // bs)):
@@ -129,6 +145,9 @@ class ModelRunner:
         if lora_meta.num_segments:
             lora = LoRAContext.begin(lora_meta, self.lora_table, self.lora_backend)
         ids = to_device(input_ids, torch.int64, dev)
+        if pending_rows:
+            assert pending is not None, "a row at a pending position without the step in flight"
+            pending.patch(ids, pending_rows)
         hidden = self.model(ids, attn, self.kv.k, self.kv.v, lora, hidden_capture)
         rows = to_device(sample_rows + prompt_rows, torch.int64, dev)
         logits = self.model.logits(hidden.index_select(0, rows)).float()

@@ -205,6 +205,11 @@ class PendingSample:
         self._lp = logprob_tensors
         self._top_n = top_n
 
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[n] int64 on the device: the sampled tokens (what the next step's rows read)."""
+        return self._tokens
+
     def result(self) -> SampleResult:
         n, rows = self._n, self._rows
         if rows is None or self._lp is None or self._top_n is None:

@@ -49,8 +49,10 @@ class ScheduledChunk:
 
     @property
     def completes(self) -> bool:
-        """True if after this chunk every known token is computed, so a new token is sampled."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        """True if after this chunk every token (known or pending) is computed, so a new token is
+        sampled."""
+        seq = self.seq
+        return seq.num_computed + self.num_tokens == seq.num_tokens + seq.pending
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class Scheduler:
         # (engine/decode_policies.py).
         self.decode = decode if decode is not None else make_decode_policy(config)
         self.running: list[Sequence] = []  # in admission order
+        # Set by the engine: a sequence whose pending tokens reach it finishes there.
+        self.max_model_len: int | None = None
         # Each decoding sequence's `ScheduledChunk(seq, 1, True)`, made once and planned every step
         # it decodes (dropped when the sequence finishes).
         self._decode_chunks: dict[Sequence, ScheduledChunk] = {}
@@ -138,7 +142,10 @@ class Scheduler:
                 continue  # preempted earlier in this pass, as a victim ahead of its turn
             output = seq.output_token_ids
             computed = seq.num_computed
-            uncomputed = len(seq.prompt_token_ids) + len(output) - computed
+            pending = seq.pending
+            uncomputed = len(seq.prompt_token_ids) + len(output) + pending - computed
+            if uncomputed <= 0 or (pending and self._ends_with_pending(seq)):
+                continue  # finishes once the step in flight completes: nothing to plan
             n = uncomputed if uncomputed < budget else budget
             need = -(-(computed + n) // bs) - len(seq.block_ids)
             if need > 0:
@@ -154,7 +161,7 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue  # it preempted itself (under FCFS everything after it is gone too)
                 seq.block_ids.extend(pool.allocate(need))
-            if n == 1 and uncomputed == 1 and output:  # _is_decode(seq, n)
+            if n == 1 and uncomputed == 1 and (output or pending):  # _is_decode(seq, n)
                 chunk = decode_chunks.get(seq)
                 if chunk is None:
                     chunk = decode_chunks[seq] = ScheduledChunk(seq, 1, True)
@@ -248,6 +255,13 @@ class Scheduler:
                 return False
         return True
 
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """Whether the tokens a launched step samples for `seq` end it by length (so the step
+        planned before they arrive leaves it out; an end by EOS or a stop is only known then)."""
+        if len(seq.output_token_ids) + seq.pending >= seq.params.max_tokens:
+            return True
+        return self.max_model_len is not None and seq.num_tokens + seq.pending >= self.max_model_len
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
         was_running = seq in self.running  # at most max_num_seqs long
@@ -293,4 +307,4 @@ def _unplan(seq: Sequence, chunks: list[ScheduledChunk]) -> int:
 
 
 def _is_decode(seq: Sequence, n: int) -> bool:
-    return n == 1 and seq.num_uncomputed == 1 and bool(seq.output_token_ids)
+    return n == 1 and seq.num_uncomputed == 1 and bool(seq.output_token_ids or seq.pending)

@@ -27,7 +27,10 @@ class Sequence:
     arrival: int  # admission order; FCFS and preemption priority
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache (or are being written by a launched step)
+    # Tokens sampled by launched steps and not yet on the host (Engine.step_overlapped plans the
+    # next step before the last one's tokens arrive): they come after the known ones.
+    pending: int = 0
     block_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
@@ -67,7 +70,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
+        return self.num_tokens + self.pending - self.num_computed
 
     def token_at(self, position: int) -> int:
         p = self.prompt_len

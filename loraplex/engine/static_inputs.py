@@ -18,6 +18,7 @@ device table's null slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,15 +145,21 @@ class StaticInputs:
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
 
-    def fill_decode(self, chunks: tuple, block_size: int) -> None:
-        """A pure decode step's rows (one per chunk); the rest padding."""
+    def fill_decode(self, chunks: tuple, block_size: int) -> list[tuple[int, Any]]:
+        """A pure decode step's rows (one per chunk); the rest padding. Returns the rows at a
+        pending position (row, sequence): their ids are written on the device."""
         b, n, bs = self.shape.rows, len(chunks), block_size
         ids, pos_h, slots, ctx, table = self.ids_h, self.pos_h, self.slots_h, self.ctx_h, self.table
+        pending: list[tuple[int, Any]] = []
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             pos = seq.num_computed
             blocks = seq.block_ids
-            ids[i] = seq.token_at(pos)
+            if seq.pending:
+                ids[i] = 0
+                pending.append((i, seq))
+            else:
+                ids[i] = seq.token_at(pos)
             pos_h[i] = pos
             slots[i] = blocks[pos // bs] * bs + pos % bs
             ctx[i] = pos + 1
@@ -161,14 +168,19 @@ class StaticInputs:
         pos_h[n:b] = 0
         slots[n:b] = -1
         ctx[n:b] = 0
+        return pending
 
-    def fill_mixed(self, chunks: tuple, slots_of: list[int], block_size: int) -> list[tuple[int, int, int]]:
-        """A step's chunks, rows in chunk order; returns its LoRA runs (slot, first row, rows).
-        Sampling rows (the last row of each completing chunk) go to the front of `sample rows`."""
+    def fill_mixed(
+        self, chunks: tuple, slots_of: list[int], block_size: int
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, Any]]]:
+        """A step's chunks, rows in chunk order; returns its LoRA runs (slot, first row, rows) and
+        its rows at a pending position (as `fill_decode`). Sampling rows (the last row of each
+        completing chunk) go to the front of `sample rows`."""
         bs, tile_rows = block_size, self.tile_rows
         ids, pos_h, slots, ctx, table = self.ids_h, self.pos_h, self.slots_h, self.ctx_h, self.table
         qstart, tiles, sample = self.qstart_h, self.tiles_h, self.sample_h
         runs: list[tuple[int, int, int]] = []
+        pending: list[tuple[int, Any]] = []
         row = n_tiles = n_sample = 0
         for i, (chunk, adapter_slot) in enumerate(zip(chunks, slots_of, strict=True)):
             seq = chunk.seq
@@ -179,7 +191,11 @@ class StaticInputs:
             ctx[i] = start + n
             table[i, : len(blocks)] = blocks
             if n == 1:  # a decode row: scalar writes (most chunks of a mixed step)
-                ids[row] = seq.token_at(start)
+                if seq.pending:
+                    ids[row] = 0
+                    pending.append((row, seq))
+                else:
+                    ids[row] = seq.token_at(start)
                 pos_h[row] = start
                 slots[row] = blocks[start // bs] * bs + start % bs
             else:
@@ -203,7 +219,7 @@ class StaticInputs:
         slots[row:] = -1
         tiles[n_tiles:] = -1
         sample[n_sample:] = 0  # gathered, never read
-        return runs
+        return runs, pending
 
     def fill_empty(self) -> None:
         """An all-padding step: what a capture records with, so it changes no state."""

@@ -1,7 +1,9 @@
-"""`Engine.step_overlapped` (the serving loops' step: complete the step in flight, launch the next,
-return the completed one's deltas) against `Engine.step`: the same outputs, deltas one call later;
-an abort while a request's step is in flight drops that token and frees everything; the two
-kinds of call mix."""
+"""`Engine.step_overlapped` (the serving loops' step, one ahead: launch the next step while the one
+in flight still runs, its tokens read on the device, then complete the one in flight and return
+its deltas) against `Engine.step`: the same outputs and deltas per request; a stop found at the
+step in flight costs the next step one dropped row, an end by length none; an abort while a
+request's step is in flight drops that token and frees everything; preemption of a sequence with a
+token in flight; the two kinds of call mix."""
 
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def test_abort_while_in_flight_drops_the_token_and_frees_everything(model_dir: t
     e.add_request("gone", list(range(6, 31)), PARAMS[1], None)
     for _ in range(3):
         e.step_overlapped()
-    assert e._in_flight is not None and any(c.seq.request_id == "gone" for c in e._in_flight.plan.chunks)
+    assert len(e._in_flight) == 1 and any(c.seq.request_id == "gone" for c in e._in_flight[0].plan.chunks)
     before = list(e.output("gone").token_ids)
     assert e.abort("gone")
     free = e.pool.num_free
@@ -108,7 +110,99 @@ def test_step_after_overlapped_calls_completes_the_step_in_flight(model_dir: tup
     e = _engine(model_dir)
     e.add_request("x", list(range(5, 20)), PARAMS[0], "a")
     first = e.step_overlapped()
-    assert first == [] and e._in_flight is not None  # launched, not completed
+    assert first == [] and len(e._in_flight) == 1  # launched, not completed
     second = e.step()  # completes it, then runs a whole step
-    assert [len(d.new_token_ids) for d in second] == [1, 1] and e._in_flight is None
+    assert [len(d.new_token_ids) for d in second] == [1, 1] and not e._in_flight
     assert e.last_stats is not None
+
+
+def _run(e: Engine, requests: list[tuple[str, list[int], SamplingParams]], overlapped: bool) -> dict:
+    for rid, prompt, params in requests:
+        e.add_request(rid, prompt, params, None)
+    while e.has_unfinished():
+        e.step_overlapped() if overlapped else e.step()
+        e.check_integrity()
+    e.step()
+    return {rid: e.output(rid) for rid, _, _ in requests}
+
+
+def test_the_next_step_is_planned_while_the_last_ones_tokens_are_on_the_device(model_dir: tuple) -> None:
+    e = _engine(model_dir)
+    e.add_request("x", list(range(5, 20)), PARAMS[0], "a")
+    e.step_overlapped()  # the prefill, in flight
+    e.step_overlapped()  # the first decode step launched before the prefill's token arrived
+    (f,) = e._in_flight
+    (chunk,) = f.plan.chunks
+    assert chunk.is_decode and chunk.seq.pending == 1 and len(chunk.seq.output_token_ids) == 1
+    ref = _engine(model_dir)
+    ref.add_request("x", list(range(5, 20)), PARAMS[0], "a")
+    while ref.has_unfinished():
+        ref.step()
+    while e.has_unfinished():
+        e.step_overlapped()
+    assert e.output("x").token_ids == ref.output("x").token_ids
+
+
+def test_a_stop_at_the_step_in_flight_drops_the_next_steps_row(model_dir: tuple) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    both = [("s", list(range(9, 30)), greedy), ("o", list(range(3, 12)), greedy)]
+    ref = _run(_engine(model_dir), both, False)
+    stop = ref["s"].token_ids[2]
+    first = ref["s"].token_ids.index(stop)
+    stopping = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    e = _engine(model_dir)
+    free = e.pool.num_free
+    plans: list[list[str]] = []
+    schedule = e.scheduler.schedule
+
+    def spy():  # noqa: ANN202
+        plan = schedule()
+        plans.append([c.seq.request_id for c in plan.chunks])
+        return plan
+
+    e.scheduler.schedule = spy  # type: ignore[method-assign]
+    got = _run(e, [("s", list(range(9, 30)), stopping), ("o", list(range(3, 12)), greedy)], True)
+    assert got["s"].token_ids == ref["s"].token_ids[: first + 1] and got["s"].finish_reason == "stop"
+    assert got["o"].token_ids == ref["o"].token_ids
+    # it was planned once more than it sampled tokens: the step after its stop, launched before
+    # the stop token reached the host (that row's token was dropped)
+    assert sum("s" in p for p in plans) == len(got["s"].token_ids) + 1
+    e.release("s")
+    e.release("o")
+    e.check_integrity()
+    assert e.pool.num_used == 0 and e.pool.num_free == free  # every block back (cached or free)
+
+
+def test_an_end_by_length_is_left_out_of_the_next_plan(model_dir: tuple) -> None:
+    e = _engine(model_dir)
+    plans: list[list[str]] = []
+    schedule = e.scheduler.schedule
+
+    def spy():  # noqa: ANN202
+        plan = schedule()
+        plans.append([c.seq.request_id for c in plan.chunks])
+        return plan
+
+    e.scheduler.schedule = spy  # type: ignore[method-assign]
+    three = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    got = _run(e, [("l", list(range(9, 30)), three)], True)
+    assert len(got["l"].token_ids) == 3 and got["l"].finish_reason == "length"
+    assert sum("l" in p for p in plans) == 3  # the prefill and two decode steps, no wasted row
+
+
+def test_preemption_of_a_sequence_with_a_token_in_flight(model_dir: tuple) -> None:
+    # 14 blocks of 16 tokens for 6 requests growing to ~50 tokens: preemptions while tokens are
+    # pending; outputs as with step()
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reqs = [(f"p{i}", list(range(4 + i, 30 + i)), greedy) for i in range(6)]
+
+    def engine() -> Engine:
+        llm = LLM(model_dir[0], max_num_batched_tokens=48, seed=1, num_kv_blocks=14)
+        return llm.engine
+
+    ref = _run(engine(), reqs, False)
+    e = engine()
+    got = _run(e, reqs, True)
+    assert sum(s.num_preemptions for s in e._seqs.values()) > 0
+    for rid in ref:
+        assert got[rid].token_ids == ref[rid].token_ids, rid

@@ -137,11 +137,11 @@ def test_pressure_never_evicts_a_slot_in_use(env: dict) -> None:
     e = _tiered(env, room=2, n=8, host_bytes=0)
     run = e.runner.run
 
-    def slow_run(plan, slots):  # noqa: ANN001, ANN202
+    def slow_run(plan, slots, **kw):  # noqa: ANN001, ANN003, ANN202
         before = {s: e.lora_table.weights(s) for s in slots.generations}
         data = {s: [p.a.clone() for p in w.pairs.values()] for s, w in before.items()}
         time.sleep(0.005)
-        out = run(plan, slots)
+        out = run(plan, slots, **kw)
         for s, w in before.items():
             assert e.lora_table.weights(s) is w
             assert all(torch.equal(a, p.a) for a, p in zip(data[s], w.pairs.values(), strict=True))
