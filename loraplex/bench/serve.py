@@ -125,9 +125,10 @@ def run_in_process(
             time.sleep(min(0.01, max(0.0, (pending[0].arrival_s or 0.0) - now)))
             continue
         t0 = time.perf_counter()
-        # As the server does: this call completes the step launched by the last one and launches
-        # the next, which runs while the deltas below are handled. A completed step's wall time is
-        # from the return of the call that launched it to the return of the one that completed it.
+        # As the server does: this call launches the next step and completes the one the last call
+        # launched, whose deltas are handled below while the next runs. A completed step's time is
+        # from the return of the call that launched it to the return of the one that completed it
+        # (the interval between two completions).
         deltas = engine.step_overlapped()
         t1 = time.perf_counter()
         stats = engine.last_stats  # the completed step's (None: this call completed none)
