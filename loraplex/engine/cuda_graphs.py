@@ -71,10 +71,6 @@ class GraphKey:
     shape: StepShape
     lora: LoRAGraphKey | None  # None: no LoRA rows in the step
 
-    @property
-    def batch(self) -> int:  # rows of the shape (the batch size of a decode shape)
-        return self.shape.rows
-
 
 @dataclass
 class _Captured:

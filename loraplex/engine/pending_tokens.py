@@ -25,6 +25,7 @@ class PendingTokens:
         stream (after the host's copy of the ids, before the forward)."""
         if not rows:
             return
-        dst = to_device([r for r, _ in rows], torch.int64, ids.device)
-        src = to_device([self.row_of[s] for _, s in rows], torch.int64, ids.device)
-        ids.index_copy_(0, dst, self.tokens.index_select(0, src))
+        n = len(rows)
+        # one host -> device copy for both index lists
+        both = to_device([r for r, _ in rows] + [self.row_of[s] for _, s in rows], torch.int64, ids.device)
+        ids.index_copy_(0, both[:n], self.tokens.index_select(0, both[n:]))

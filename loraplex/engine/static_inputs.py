@@ -151,17 +151,12 @@ class StaticInputs:
         b, n, bs = self.shape.rows, len(chunks), block_size
         ids, pos_h, slots, ctx, table = self.ids_h, self.pos_h, self.slots_h, self.ctx_h, self.table
         pending: list[tuple[int, Any]] = []
+        row = self._row
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             pos = seq.num_computed
             blocks = seq.block_ids
-            if seq.pending:
-                ids[i] = 0
-                pending.append((i, seq))
-            else:
-                ids[i] = seq.token_at(pos)
-            pos_h[i] = pos
-            slots[i] = blocks[pos // bs] * bs + pos % bs
+            row(i, seq, pos, blocks, bs, pending)
             ctx[i] = pos + 1
             table[i, : len(blocks)] = blocks
         ids[n:b] = 0
@@ -191,13 +186,7 @@ class StaticInputs:
             ctx[i] = start + n
             table[i, : len(blocks)] = blocks
             if n == 1:  # a decode row: scalar writes (most chunks of a mixed step)
-                if seq.pending:
-                    ids[row] = 0
-                    pending.append((row, seq))
-                else:
-                    ids[row] = seq.token_at(start)
-                pos_h[row] = start
-                slots[row] = blocks[start // bs] * bs + start % bs
+                self._row(row, seq, start, blocks, bs, pending)
             else:
                 ids[row : row + n] = seq.tokens_between(start, start + n)
                 pos = np.arange(start, start + n)
@@ -220,6 +209,17 @@ class StaticInputs:
         tiles[n_tiles:] = -1
         sample[n_sample:] = 0  # gathered, never read
         return runs, pending
+
+    def _row(self, row: int, seq: Any, pos: int, blocks: list[int], bs: int, pending: list) -> None:  # noqa: ANN401
+        """One row at `pos` of `seq`: its id (0 and noted in `pending` at a pending position, whose
+        id the device writes), position and KV slot."""
+        if seq.pending:
+            self.ids_h[row] = 0
+            pending.append((row, seq))
+        else:
+            self.ids_h[row] = seq.token_at(pos)
+        self.pos_h[row] = pos
+        self.slots_h[row] = blocks[pos // bs] * bs + pos % bs
 
     def fill_empty(self) -> None:
         """An all-padding step: what a capture records with, so it changes no state."""

@@ -150,11 +150,7 @@ def cut_runs(runs: list[tuple[int, int, int]]) -> tuple[list[tuple[int, list[int
     for slot, first, n in runs:
         if slot != BASE_SLOT and n > 0:
             by_slot.setdefault(slot, []).extend(range(first, first + n))
-    segments = []
-    for slot, rows in by_slot.items():
-        for i in range(0, len(rows), SEGMENT_ROWS):
-            segments.append((slot, rows[i : i + SEGMENT_ROWS]))
-    return segments, list(by_slot)
+    return _cut(by_slot)
 
 
 def cut_segments(row_slots: list[int]) -> tuple[list[tuple[int, list[int]]], list[int]]:
@@ -164,6 +160,11 @@ def cut_segments(row_slots: list[int]) -> tuple[list[tuple[int, list[int]]], lis
     for row, slot in enumerate(row_slots):
         if slot != BASE_SLOT:
             by_slot.setdefault(slot, []).append(row)
+    return _cut(by_slot)
+
+
+def _cut(by_slot: dict[int, list[int]]) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """Each slot's rows cut into pieces of SEGMENT_ROWS rows; the segments and the slots."""
     segments = []
     for slot, rows in by_slot.items():
         for i in range(0, len(rows), SEGMENT_ROWS):

@@ -71,7 +71,7 @@ def test_static_decode_matches_eager(tmp_path: Path, monkeypatch: pytest.MonkeyP
     out_static = static.generate(prompts, params, adapters=adapters)
     runner = static.engine.runner.static_steps
     assert runner is not None and runner.replays >= 20
-    assert {k.batch for k in runner._graphs} >= {24, 16, 8}  # several buckets were used
+    assert {k.shape.rows for k in runner._graphs} >= {24, 16, 8}  # several buckets were used
     assert any(k.lora and k.lora.segments >= 4 for k in runner._graphs)  # 4+ segments: the cut r16 rows
     for i, (a, b) in enumerate(zip(out_eager, out_static, strict=True)):
         assert a.token_ids == b.token_ids, f"request {i} ({adapters[i]})"
@@ -116,7 +116,7 @@ def test_graphs_of_a_bucket_share_one_logits_buffer(tmp_path: Path) -> None:
         slots = e.slot_map(plan)
         outputs.append(runner.run(plan, slots).logits)
         e._postprocess(plan, e.runner._run_eager(plan, slots, None))
-    assert len(runner._graphs) >= 2 and len({k.batch for k in runner._graphs}) == 1
+    assert len(runner._graphs) >= 2 and len({k.shape.rows for k in runner._graphs}) == 1
     assert len({t.data_ptr() for t in outputs}) == 1
 
 
@@ -130,7 +130,7 @@ def test_warm_up_records_every_graph_a_decode_step_can_need(tmp_path: Path) -> N
     assert runner is not None
     added = runner.warm_up(max_rank=16)
     keys = set(runner._graphs)
-    assert added == len(keys) and {k.batch for k in keys} == {1, 2, 4, 8, 16, 24}
+    assert added == len(keys) and {k.shape.rows for k in keys} == {1, 2, 4, 8, 16, 24}
     assert runner.warm_up(max_rank=16) == 0  # nothing left to add
     g = torch.Generator().manual_seed(5)
     names = [None, "r8", "r16", "r4"]

@@ -126,6 +126,20 @@ def _run(e: Engine, requests: list[tuple[str, list[int], SamplingParams]], overl
     return {rid: e.output(rid) for rid, _, _ in requests}
 
 
+def _plans_of(e: Engine) -> list[list[str]]:
+    """The request ids of every plan the engine's scheduler makes from now on."""
+    plans: list[list[str]] = []
+    schedule = e.scheduler.schedule
+
+    def spy():  # noqa: ANN202
+        plan = schedule()
+        plans.append([c.seq.request_id for c in plan.chunks])
+        return plan
+
+    e.scheduler.schedule = spy  # type: ignore[method-assign]
+    return plans
+
+
 def test_the_next_step_is_planned_while_the_last_ones_tokens_are_on_the_device(model_dir: tuple) -> None:
     e = _engine(model_dir)
     e.add_request("x", list(range(5, 20)), PARAMS[0], "a")
@@ -152,15 +166,7 @@ def test_a_stop_at_the_step_in_flight_drops_the_next_steps_row(model_dir: tuple)
     stopping = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
     e = _engine(model_dir)
     free = e.pool.num_free
-    plans: list[list[str]] = []
-    schedule = e.scheduler.schedule
-
-    def spy():  # noqa: ANN202
-        plan = schedule()
-        plans.append([c.seq.request_id for c in plan.chunks])
-        return plan
-
-    e.scheduler.schedule = spy  # type: ignore[method-assign]
+    plans = _plans_of(e)
     got = _run(e, [("s", list(range(9, 30)), stopping), ("o", list(range(3, 12)), greedy)], True)
     assert got["s"].token_ids == ref["s"].token_ids[: first + 1] and got["s"].finish_reason == "stop"
     assert got["o"].token_ids == ref["o"].token_ids
@@ -175,15 +181,7 @@ def test_a_stop_at_the_step_in_flight_drops_the_next_steps_row(model_dir: tuple)
 
 def test_an_end_by_length_is_left_out_of_the_next_plan(model_dir: tuple) -> None:
     e = _engine(model_dir)
-    plans: list[list[str]] = []
-    schedule = e.scheduler.schedule
-
-    def spy():  # noqa: ANN202
-        plan = schedule()
-        plans.append([c.seq.request_id for c in plan.chunks])
-        return plan
-
-    e.scheduler.schedule = spy  # type: ignore[method-assign]
+    plans = _plans_of(e)
     three = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     got = _run(e, [("l", list(range(9, 30)), three)], True)
     assert len(got["l"].token_ids) == 3 and got["l"].finish_reason == "length"
