@@ -88,8 +88,15 @@ TARGET_MIXED = KernelCase("decode", 64, 32, "mixed")
 TARGET_PREFILL = KernelCase("prefill", PREFILL_ROWS, PREFILL_ADAPTERS, "16")
 
 
+# one popular adapter's rows in one segment, and the most µs each may take (graph replay)
+TARGET_SINGLE: dict[KernelCase, float] = {
+    KernelCase("decode", 64, 1, "16"): 25.0,
+    KernelCase("decode", 256, 1, "16"): 40.0,
+}
+
+
 def quick_cases() -> list[KernelCase]:
-    return [TARGET_DECODE, TARGET_MIXED, TARGET_PREFILL]
+    return [TARGET_DECODE, TARGET_MIXED, TARGET_PREFILL, *TARGET_SINGLE]
 
 
 def group_min_bytes(group: str, rows: int, ranks: Sequence[int], elem: int = 2) -> int:

@@ -27,6 +27,7 @@ from loraplex.bench.kernel_cases import (
     TARGET_DECODE,
     TARGET_MIXED,
     TARGET_PREFILL,
+    TARGET_SINGLE,
     KernelCase,
     all_cases,
     case_flops,
@@ -217,6 +218,12 @@ def evaluate_targets(results: list[dict], copy_bw: float, mm_rate: float) -> lis
         frac = max(bytes_floor, flops_floor) / t
         out.append({"name": f"prefill layer M=4096 D=8 r=16: fraction of {bound}", "value": frac,
                     "threshold": ">= 0.50", "pass": frac >= 0.5})  # fmt: skip
+    for case, most_us in TARGET_SINGLE.items():
+        one = by.get(case.label)
+        if one:
+            out.append({"name": f"single adapter {case.label.removeprefix('decode ')}: µs (graph)",
+                        "value": one["graph_us"], "threshold": f"<= {most_us:g}",
+                        "pass": one["graph_us"] <= most_us})  # fmt: skip
     return out
 
 

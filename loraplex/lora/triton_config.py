@@ -114,10 +114,25 @@ PREFILL = TwoLaunchTiling(
 # Longest segment up to this many rows: decode tiling. A 16-row tile wastes little on 1-2 rows;
 # past a few tiles per segment the 64-row tiles re-read A/B 4x less often.
 DECODE_MAX_SEG_ROWS = 32
+# Longer segments still take the decode tiling while the step has at most this many 16-row tiles
+# (segments x tiles per segment, rounded up to a power of two as the split launch pads them): a
+# popular adapter's 64-256 rows in one segment give the prefill tiling 1-4 row tiles, so down's
+# 14336-long K ran in 4 sequential chunks (about 76 µs a layer at 64 rows, where the split launch
+# spreads K over a hundred programs). Past it, streaming X and Y through 64-row tiles wins.
+DECODE_MAX_ROW_TILES = 16
 
 
-def pick_tiling(max_seg_rows: int) -> TwoLaunchTiling:
-    return DECODE if max_seg_rows <= DECODE_MAX_SEG_ROWS else PREFILL
+def decode_row_tiles(max_seg_rows: int, segments: int) -> int:
+    """Row tiles of the decode tiling's split launch: each segment padded to a power of two."""
+    per_segment = -(-max_seg_rows // DECODE.block_m)
+    return segments << (per_segment - 1).bit_length()
+
+
+def pick_tiling(max_seg_rows: int, segments: int = 1) -> TwoLaunchTiling:
+    """The tiling of a step whose longest of `segments` segments has `max_seg_rows` rows."""
+    if max_seg_rows <= DECODE_MAX_SEG_ROWS:
+        return DECODE
+    return DECODE if decode_row_tiles(max_seg_rows, segments) <= DECODE_MAX_ROW_TILES else PREFILL
 
 
 @dataclass(frozen=True)

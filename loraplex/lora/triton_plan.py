@@ -98,7 +98,7 @@ def group_call(
 ) -> GroupCall:
     """The parts of a call that every layer's call of this group shares in a step; `tiling` the
     backend's (None: by the step's longest segment)."""
-    tiling = tiling or pick_tiling(step.max_seg_rows)
+    tiling = tiling or pick_tiling(step.max_seg_rows, step.meta.num_segments)
     n_segs = step.meta.num_segments
     row_tiles = cdiv(step.max_seg_rows, tiling.block_m)
     return GroupCall(

@@ -3,13 +3,14 @@ step can reach, whatever its rows, segments, ranks and target sets.
 
 The kernels take every per-step value as a runtime argument (`triton_parts`), so what still picks a
 variant is: the group (its slice count and widths), the rank tile (`block_r_for` of the step's
-largest rank, up to `max_rank`), the tiling (decode or prefill, from the longest segment), and for
+largest rank, up to `max_rank`), the tiling (decode or prefill, from the row tiles), and for
 decode-tiled steps the split plan's bucketed split count and shrink stages and whether the
 row-loop expand runs, which follow from the number of row tiles (segments x row tiles per
 segment) and the width of the adapted slices. `eager_steps` lists synthetic steps that run every
 such combination: for each rank tile, each of two target sets (every target; the narrowest slice
 of each group, the two ends of the width rule), each segment count up to `max_segments`, segments
-of 1, 5 and 17 rows (row loop or not, one or two row tiles) and one prefill-length segment. They
+of 1, 5 and 17 rows (row loop or not, one or two row tiles), segments long enough for 3-16 row
+tiles where the decode tiling still takes them, and one segment the prefill tiling takes. They
 run on a private slot table and backend (one layer of synthetic adapters), so the engine's device
 tables, and the graphs that read them, are untouched; compiled kernels are shared per process.
 """
@@ -24,7 +25,7 @@ import torch
 from loraplex.lora.backend import LoRABackend
 from loraplex.lora.layout import GROUP_SLICES
 from loraplex.lora.metadata import LoRABatchMetadata
-from loraplex.lora.triton_config import DECODE_MAX_SEG_ROWS, block_r_for
+from loraplex.lora.triton_config import DECODE, DECODE_MAX_ROW_TILES, DECODE_MAX_SEG_ROWS, block_r_for
 from loraplex.lora.weights import AdapterWeights, LoRAPair, LoRASlotTable
 
 GroupShapes = dict[str, tuple[int, tuple[int, ...]]]  # group -> (d_in, slice widths)
@@ -57,12 +58,26 @@ class EagerStep:
     seg_rows: tuple[int, ...]  # rows of each segment; the first segment's adapter has rank block_r
 
 
+def long_segment_rows(max_segments: int) -> Iterator[tuple[int, ...]]:
+    """Steps of n segments longer than `DECODE_MAX_SEG_ROWS` that the decode tiling still takes:
+    one per (n, row tiles per segment), so every split plan of their tile counts is compiled."""
+    for n in range(1, max_segments + 1):
+        shift = (DECODE_MAX_SEG_ROWS // DECODE.block_m).bit_length()  # the first that is long
+        while n << shift <= DECODE_MAX_ROW_TILES:
+            yield ((DECODE.block_m << (shift - 1)) + 1,) * n
+            shift += 1
+
+
 def eager_steps(shapes: GroupShapes, max_rank: int, max_segments: int) -> Iterator[EagerStep]:
     tiles = sorted({block_r_for(r) for r in range(1, max_rank + 1)})
-    prefill = DECODE_MAX_SEG_ROWS + 1
+    # one segment past what the decode tiling takes: the prefill tiling
+    prefill = DECODE.block_m * DECODE_MAX_ROW_TILES + 1
+    long_rows = list(long_segment_rows(max_segments))
     for block_r in tiles:
         for targets in target_sets(shapes):
             yield EagerStep(block_r, targets, (prefill,))
+            for rows in long_rows:
+                yield EagerStep(block_r, targets, rows)
             for n in range(1, max_segments + 1):
                 for rows in ((1,) * n, (5,) * n, (17,) * n, (17,) + (1,) * (n - 1)):
                     yield EagerStep(block_r, targets, rows)

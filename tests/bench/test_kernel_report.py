@@ -59,7 +59,12 @@ def test_targets_and_report_files(tmp_path: Path) -> None:
     for r in results:
         _add_ratios(r, copy_bw, mm, base)
     targets = evaluate_targets(results, copy_bw, mm)
-    assert [t["pass"] for t in targets] == [True, True, True]
+    assert [t["pass"] for t in targets] == [True] * 5
+    assert [t["threshold"] for t in targets[3:]] == ["<= 25", "<= 40"]  # the single-adapter cases
+    single = results[3]["layers"][LAYER]
+    single["graph_us"] = 30.0  # slower than its 25 µs
+    assert [t["pass"] for t in evaluate_targets(results, copy_bw, mm)][3:] == [False, True]
+    single["graph_us"] = targets[3]["value"]
     assert abs(targets[0]["value"] - 0.5) < 1e-9  # 2 TB/s of 4
     report = {"device": "fake", "torch": "x", "triton": "y", "copy_bw_GBps": 4000.0, "matmul_TFLOPs": 750.0,
               "reps": 1, "results": results, "tiling": [], "targets": targets}  # fmt: skip

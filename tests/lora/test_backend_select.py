@@ -41,6 +41,12 @@ def test_lora_package_imports_without_triton() -> None:
 def test_tiling_choice_and_split() -> None:
     assert pick_tiling(1) is DECODE and pick_tiling(2) is DECODE
     assert pick_tiling(4096) is PREFILL
+    # one popular adapter's long segment: the decode tiling (split K) up to 16 row tiles in all
+    assert pick_tiling(64, segments=1) is DECODE and pick_tiling(256, segments=1) is DECODE
+    assert pick_tiling(257, segments=1) is PREFILL
+    assert pick_tiling(64, segments=4) is DECODE and pick_tiling(64, segments=8) is PREFILL
+    assert pick_tiling(33, segments=5) is PREFILL  # 5 segments x 4 tiles (3 padded to 4)
+    assert pick_tiling(32, segments=64) is DECODE  # short segments: decode, however many
     assert [block_r_for(r) for r in (1, 8, 16, 17, 64)] == [16, 16, 16, 32, 64]
     s = split_k(DECODE, 4096, programs=32, num_sms=132)  # 32 decode segments: split K 8 ways
     assert s.n_split == 8 and s.k_chunk * s.n_split >= 4096 and s.k_chunk % DECODE.block_k == 0

@@ -115,8 +115,19 @@ def test_prefill_tiling_long_segments_and_segments_of_one() -> None:
 def test_default_tiling_picks_per_step() -> None:
     table = make_table([8, 16], DTYPE, "cpu", seed=5)
     be = _backend()
+
+    def tilings() -> set:
+        assert be._step is not None
+        return {g.tiling for g in be._step.groups.values()}
+
     _check_all_groups(be, [0, 1, -1, 1], table)  # decode-shaped
-    _check_all_groups(be, [0] * 40 + [1] * 3, table)  # prefill-shaped
+    assert tilings() == {DECODE}
+    # one popular adapter's long segment (5 row tiles, padded to 8) and a short one: still the
+    # decode tiling, its split launch running several row tiles per segment
+    _check_all_groups(be, [0] * 70 + [-1] + [1] * 3, table)
+    assert tilings() == {DECODE}
+    _check_all_groups(be, [0] * 300 + [1] * 3, table)  # prefill-shaped: 2 x 32 row tiles
+    assert tilings() == {PREFILL}
 
 
 def test_partial_targets_leave_untargeted_slices_untouched() -> None:

@@ -73,11 +73,36 @@ def test_random_eager_steps_after_warmup_add_no_keys() -> None:
         backend = _Backend()
         for _ in range(150):
             runs, row = [], 0
-            chunks = [rng.randint(2, 300) for _ in range(rng.randint(0, 3))] + [1] * rng.randint(1, 20)
+            # long chunks (one popular adapter's prefill: 33-256 rows still take the decode tiling
+            # when few) and decode rows
+            chunks = [rng.randint(2, 300) for _ in range(rng.randint(0, 3))]
+            chunks += [1] * rng.randint(0 if chunks else 1, 20)
             for n in chunks:
                 runs.append((-1 if rng.random() < 0.2 else rng.randrange(MAX_SEGMENTS), row, n))
                 row += n
             meta = LoRABatchMetadata.build_runs(runs, row, table, "cpu")
             if meta.num_segments:
                 _forward(backend, meta, table, row)
+        assert counter.new_since(warmed) == {}
+
+
+def test_long_segments_of_a_small_engine_add_no_keys() -> None:
+    """An engine of two segments at most: one or two long segments (a popular adapter's prefill
+    chunk, 33-256 rows: the decode tiling up to 16 row tiles) reach only warmed keys."""
+    counter = KeyCounter()
+    with counter.installed():
+        warm = EagerWarmup(_Backend(), SHAPES, torch.bfloat16, torch.device("cpu"), 16, 2)
+        for step in warm.steps:
+            warm.run(step)
+        warmed = counter.snapshot()
+        table = LoRASlotTable(1, torch.bfloat16)
+        for slot in range(2):
+            table.set(slot, _adapter(SHAPES, TARGET_SETS[-1], 16, torch.bfloat16, torch.device("cpu")))
+        backend = _Backend()
+        for rows in [(64,), (129,), (256,), (257,), (40, 70), (65, 65), (300, 1)]:
+            runs, row = [], 0
+            for slot, n in enumerate(rows):
+                runs.append((slot, row, n))
+                row += n
+            _forward(backend, LoRABatchMetadata.build_runs(runs, row, table, "cpu"), table, row)
         assert counter.new_since(warmed) == {}
