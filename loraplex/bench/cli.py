@@ -77,6 +77,10 @@ def _serve(args: argparse.Namespace) -> int:
             bench = replace(bench, base_compare=False)
         if args.hf_compare:
             bench = replace(bench, hf_compare=True)
+        if args.hf_requests is not None:
+            if args.hf_requests < 1:
+                raise ValueError(f"--hf-requests must be at least 1, got {args.hf_requests}")
+            bench = replace(bench, hf_requests=args.hf_requests)
         if args.http_compare:
             bench = replace(bench, http_compare=True)
         if args.more_seeds:
@@ -158,6 +162,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--hf-compare",
         action="store_true",
         help="also run the workload through transformers + PEFT (model and adapters from directories)",
+    )
+    s.add_argument(
+        "--hf-requests",
+        type=int,
+        help="transformers + PEFT on the workload's first N requests only (default: all)",
     )
     s.add_argument(
         "--http-compare",

@@ -319,22 +319,25 @@ def _hf_baseline(
             "--hf-compare needs the model and every adapter as directories (random weights have none)"
         )
     vocab = engine.model_config.vocab_size
+    requests = workload.requests[: args.hf_requests]  # the first N (None: all)
     prompts = []
-    for r in workload.requests:
+    for r in requests:
         if r.prompt is not None:
             prompts.append(list(engine.tokenizer.encode(r.prompt)))
         else:
             prompts.append(prompt_ids(r, vocab, workload.spec.seed))
-    return run_hf(
+    result = run_hf(
         model_dir,
         adapter_dirs,
         names,
         prompts,
-        [r.output_len for r in workload.requests],
-        [r.adapter for r in workload.requests],
+        [r.output_len for r in requests],
+        [r.adapter for r in requests],
         args.device,
         progress=progress,
     )
+    result["requests"] = len(requests)
+    return result
 
 
 def _environment(device: str) -> dict[str, Any]:

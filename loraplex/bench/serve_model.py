@@ -35,6 +35,9 @@ class ServeBenchArgs:
     smoke: bool = False
     warmup_requests: int = 8  # replayed untimed before the measured runs (in-process)
     hf_compare: bool = False  # also run transformers + PEFT (needs a model and adapter directories)
+    # transformers + PEFT on the workload's first N requests only (None: all), in whole batches:
+    # its throughput over a few static batches is its throughput, at a fraction of the time
+    hf_requests: int | None = None
     # Also the same workload over HTTP, against a server on the same engine that the bench starts
     # in a process of its own (bench/serve_server.py); the report states HTTP / in-process.
     http_compare: bool = False

@@ -49,7 +49,8 @@ def markdown(report: dict[str, Any]) -> str:
     if "hf_peft" in report:
         hf = report["hf_peft"]
         lines.append(
-            f"| transformers + PEFT ({hf['settings']['dtype']}, static batches of {hf['settings']['batch']}) "
+            f"| transformers + PEFT ({hf['settings']['dtype']}, static batches of {hf['settings']['batch']}, "
+            f"the first {hf.get('requests', '?')} requests) "
             f"| {hf['output_tokens_per_s']:.1f} | - | {hf['wall_s']:.2f} |"
         )
     ratios = report.get("ratios", {})

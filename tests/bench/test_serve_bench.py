@@ -44,6 +44,16 @@ def test_transformers_peft_baseline_on_the_same_workload(tmp_path: Path) -> None
     assert "transformers + PEFT" in (tmp_path / "serve.md").read_text()
 
 
+def test_transformers_peft_baseline_on_the_first_requests(tmp_path: Path) -> None:
+    """--hf-requests: the baseline generates only the workload's first N requests' outputs."""
+    args = replace(ServeBenchArgs.smoke_args(), hf_compare=True, hf_requests=10, base_compare=False)
+    report = run(args, tmp_path, progress=False)
+    first = generate(args.workload).requests[:10]
+    assert report["hf_peft"]["requests"] == 10
+    assert report["hf_peft"]["output_tokens"] == sum(r.output_len for r in first)
+    assert "the first 10 requests" in (tmp_path / "serve.md").read_text()
+
+
 def test_random_weights_written_once_for_the_transformers_baseline(tmp_path: Path) -> None:
     smoke = ServeBenchArgs.smoke_args()
     spec = replace(smoke.workload, num_requests=16, ranks="8,16", prompt_len="uniform:8:40")
