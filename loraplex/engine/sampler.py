@@ -188,8 +188,20 @@ def _neg_gumbel_noise(uniform: torch.Tensor) -> torch.Tensor:
     return uniform.log_().neg_().log_()
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in pinned host memory, queued on the stream (the caller waits for an event)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 class PendingSample:
-    """A step's sampling, queued on the device: `result()` brings it to the host."""
+    """A step's sampling, queued on the device: `result()` brings it to the host.
+
+    On CUDA the copies to the host are queued with the sampling, into pinned memory, and an event
+    marks their end: `result()` waits for that event only. A plain `.tolist()` of a device tensor
+    would wait for everything queued on the stream by then, which, one step ahead
+    (`Engine.step_overlapped`), is the whole next step: the device would idle through every
+    host-side part of a step."""
 
     def __init__(
         self,
@@ -204,6 +216,14 @@ class PendingSample:
         self._rows = logprob_rows  # the rows that asked for logprobs (None: none did)
         self._lp = logprob_tensors
         self._top_n = top_n
+        self._host_tokens, self._host_lp = tokens, logprob_tensors
+        self._copied: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._host_tokens = _to_host(tokens)
+            if logprob_tensors is not None:
+                self._host_lp = (_to_host(logprob_tensors[0]), _to_host(logprob_tensors[1]))
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -212,14 +232,17 @@ class PendingSample:
 
     def result(self) -> SampleResult:
         n, rows = self._n, self._rows
-        if rows is None or self._lp is None or self._top_n is None:
-            return SampleResult(self._tokens.tolist(), [None] * n)
+        if self._copied is not None:
+            self._copied.synchronize()
+        lp = self._host_lp
+        if rows is None or lp is None or self._top_n is None:
+            return SampleResult(self._host_tokens.tolist(), [None] * n)
         if len(rows) == n:  # every row: the tokens come back with the logprobs
-            token_ids, dicts = _logprob_rows(*self._lp, self._top_n)
+            token_ids, dicts = _logprob_rows(*lp, self._top_n)
             return SampleResult(token_ids, dicts)  # type: ignore[arg-type]
-        token_ids = self._tokens.tolist()
+        token_ids = self._host_tokens.tolist()
         result: list[dict[int, float] | None] = [None] * n
-        _, dicts = _logprob_rows(*self._lp, self._top_n)
+        _, dicts = _logprob_rows(*lp, self._top_n)
         for i, d in zip(rows, dicts, strict=True):
             result[i] = d
         return SampleResult(token_ids, result)

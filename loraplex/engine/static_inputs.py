@@ -113,6 +113,7 @@ class StaticInputs:
         self.tiles_h = self.h32[tiles_at:]
         if not shape.mixed:
             self.qstart_h[:] = np.arange(s + 1)  # one query row per sequence, always
+        self._uploaded = torch.cuda.Event() if pin else None  # the last upload's end
         self.dev64 = self.host64.to(device)
         self.dev32 = self.host32.to(device)
         d64, d32 = self.dev64, self.dev32
@@ -144,10 +145,20 @@ class StaticInputs:
     def upload(self) -> None:
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+    def _writable(self) -> None:
+        """Wait until the last upload has read the host buffers. One step ahead, the step using
+        them last may be queued behind the one in flight; its copy runs as soon as that one ends,
+        which the host has waited for by its next fill, so this wait is short or none."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
 
     def fill_decode(self, chunks: tuple, block_size: int) -> list[tuple[int, Any]]:
         """A pure decode step's rows (one per chunk); the rest padding. Returns the rows at a
         pending position (row, sequence): their ids are written on the device."""
+        self._writable()
         b, n, bs = self.shape.rows, len(chunks), block_size
         ids, pos_h, slots, ctx, table = self.ids_h, self.pos_h, self.slots_h, self.ctx_h, self.table
         pending: list[tuple[int, Any]] = []
@@ -171,6 +182,7 @@ class StaticInputs:
         """A step's chunks, rows in chunk order; returns its LoRA runs (slot, first row, rows) and
         its rows at a pending position (as `fill_decode`). Sampling rows (the last row of each
         completing chunk) go to the front of `sample rows`."""
+        self._writable()
         bs, tile_rows = block_size, self.tile_rows
         ids, pos_h, slots, ctx, table = self.ids_h, self.pos_h, self.slots_h, self.ctx_h, self.table
         qstart, tiles, sample = self.qstart_h, self.tiles_h, self.sample_h
