@@ -34,6 +34,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,
         cuda_graph_max_batch: int = 256,
+        cuda_graph_max_tokens: int | None = None,
         progress: bool = False,
         adapter_device_bytes: int | None = None,
         adapter_host_bytes: int | None = None,
@@ -58,7 +59,9 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
-            graphs=GraphConfig(cuda_graph_max_batch=cuda_graph_max_batch),
+            graphs=GraphConfig(
+                cuda_graph_max_batch=cuda_graph_max_batch, cuda_graph_max_tokens=cuda_graph_max_tokens
+            ),
         )
         self._attach(Engine(config, progress=progress))
 

@@ -67,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
             "random_shape": args.random_shape,
             "workdir": args.workdir,
             "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
             "graph_max_tokens": args.graph_max_tokens,
             "admission_batch_tokens": args.admission_batch_tokens,
             "url": args.url,
@@ -149,6 +150,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--random-shape", choices=("llama3-8b", "tiny"), help="shape of --random-layers weights")
     s.add_argument("--workdir", help="where --hf-compare writes random weights as files (reused)")
     s.add_argument("--max-num-seqs", type=int, help="engine batch limit (default 64)")
+    s.add_argument("--max-num-batched-tokens", type=int, help="engine token budget per step (default 2048)")
     s.add_argument(
         "--graph-max-tokens",
         type=int,
