@@ -28,6 +28,12 @@ if TYPE_CHECKING:
     from loraplex.types import RequestOutput
 
 BUSY_STEPS = 64
+# The GPU busy fraction comes from a replay of the workload's first requests with the profiler on
+# (`busy_of`), not from the measured run: starting the profiler, and stopping it, which parses
+# every kernel record (tens of thousands in a 64-step window), stalls every request in flight for
+# up to seconds. Inside the measured run that stall went into its wall time (more for the run with
+# more kernels, the one with adapters) and into the latency tail.
+BUSY_REQUESTS = 320
 
 
 @dataclass
@@ -61,12 +67,16 @@ def run_in_process(
     tier_of: Callable[[str], str] | None = None,
     skip_first: int = 0,
     replay: Replay | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Replay `workload` on `engine`; returns the summary (see serve_metrics.summarize).
     `tier_of(adapter name)`: the residency tier the adapter is in as its request arrives (the
     summary then splits latencies by it). `skip_first`: requests of a lower index are replayed
     but left out of the summary, whose clock then starts at the first kept arrival (a cold cache
-    warms up in them). `replay`: prompts, cache salt, logprobs, outputs kept (see `Replay`)."""
+    warms up in them). `replay`: prompts, cache salt, logprobs, outputs kept (see `Replay`).
+    `profile`: measure the GPU busy fraction over a window of the run (CUDA only), which stalls
+    the requests in flight while the profiler starts and stops (`busy_of` keeps it out of the
+    measured runs)."""
     from loraplex.types import SamplingParams
 
     replay = replay or Replay()
@@ -173,7 +183,7 @@ def run_in_process(
                 done.append(item.timing)
                 del live[delta.request_id]
                 bar.update(1)
-                if len(done) == busy_from and busy_to > busy_from:
+                if profile and len(done) == busy_from and busy_to > busy_from:
                     busy.start()
                     spoiled = launched_at
                 elif len(done) == busy_to:
@@ -190,6 +200,14 @@ def run_in_process(
     summary = summarize(done, steps, wall, max_num_seqs=engine.config.scheduler.max_num_seqs)
     summary["gpu_busy"] = {"fraction": busy.fraction, "window_s": busy.window_s, "kernels": busy.kernels}
     return summary
+
+
+def busy_of(engine: Any, names: list[str], workload: Workload, base_only: bool) -> dict[str, Any]:  # noqa: ANN401
+    """The GPU busy fraction of `workload` on `engine`, from a replay of its first BUSY_REQUESTS
+    requests with the profiler on over the steady part (their latencies are not kept)."""
+    first = replace(workload, requests=workload.requests[:BUSY_REQUESTS])
+    busy = run_in_process(engine, names, first, base_only, progress=False, profile=True)["gpu_busy"]
+    return {**busy, "replayed_requests": len(first.requests)}
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:  # noqa: ANN401
@@ -237,6 +255,10 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
                 "output_tokens_per_s_vs_base": report["adapters"]["output_tokens_per_s"]
                 / report["base_only"]["output_tokens_per_s"]
             }
+        if str(engine.config.device).startswith("cuda"):  # after the measured runs: stalls nobody timed
+            for name, base_only in (("adapters", False), ("base_only", True)):
+                if name in report:
+                    report[name]["gpu_busy"] = busy_of(engine, names, workload, base_only)
         report["after_startup"] = {
             k: v - report["startup"][k] for k, v in _counters(engine).items()
         }  # the warm-up requests and every measured run

@@ -104,6 +104,26 @@ def test_busy_union_counts_overlapping_kernels_once() -> None:
     assert union_length([(0, 10), (5, 12), (20, 25), (21, 22), (30, 31)]) == 12 + 5 + 1
 
 
+def test_the_profiler_stays_out_of_measured_runs(monkeypatch) -> None:  # noqa: ANN001
+    """Only `busy_of`'s replay of the first requests opens the GPU busy window: starting and
+    stopping the profiler stalls every request in flight, so the measured runs never do."""
+    import loraplex.bench.serve as serve_mod
+    from loraplex.bench.serve_model import build_engine
+
+    starts: list[int] = []
+    monkeypatch.setattr(serve_mod.BusyWindow, "start", lambda self: starts.append(1))
+    monkeypatch.setattr(serve_mod, "BUSY_REQUESTS", 12)
+    args = replace(
+        ServeBenchArgs.smoke_args(), workload=replace(ServeBenchArgs.smoke_args().workload, num_requests=20)
+    )
+    workload = generate(args.workload)
+    engine, names, _ = build_engine(args, workload)
+    serve_mod.run_in_process(engine, names, workload, base_only=False, progress=False)
+    assert starts == []
+    busy = serve_mod.busy_of(engine, names, workload, base_only=False)
+    assert starts == [1] and busy["replayed_requests"] == 12
+
+
 def test_http_compare_runs_the_same_workload_against_its_own_server_process(tmp_path: Path) -> None:
     smoke = ServeBenchArgs.smoke_args()
     spec = replace(smoke.workload, num_requests=24)

@@ -29,7 +29,10 @@ def test_serving_steps_never_synchronize_the_stream(tmp_path: Path) -> None:
         cuda_graph_max_batch=16,
         cuda_graph_max_tokens=128,  # a longer step with prefill runs eagerly: that path too
     )
-    llm.register_adapter("a", make_peft_adapter(hf, tmp_path / "a", r=8, seed=81))
+    adapter = make_peft_adapter(
+        hf, tmp_path / "a", r=8, target_modules=["q_proj", "v_proj", "down_proj"], seed=81
+    )
+    llm.register_adapter("a", adapter)
     e = llm.engine
     g = torch.Generator().manual_seed(3)
     params = [
