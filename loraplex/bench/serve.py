@@ -255,6 +255,11 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
                 "output_tokens_per_s_vs_base": report["adapters"]["output_tokens_per_s"]
                 / report["base_only"]["output_tokens_per_s"]
             }
+            decode = report["base_only"]["steps"]["full_batch_decode"]["output_tokens_per_s"]
+            if decode:  # base-only output against pure decode of a full batch, the same run's steps
+                report["ratios"]["base_only_vs_full_batch_decode"] = (
+                    report["base_only"]["output_tokens_per_s"] / decode
+                )
         if str(engine.config.device).startswith("cuda"):  # after the measured runs: stalls nobody timed
             for name, base_only in (("adapters", False), ("base_only", True)):
                 if name in report:

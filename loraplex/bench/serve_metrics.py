@@ -124,6 +124,10 @@ def summarize(
     # compiles or captures mid-traffic stands out here.
     outlier = max((max(v) / statistics.median(v) for v in buckets.values() if len(v) >= 3), default=None)
     decode = [s for s in steps if s.kind == "decode"]
+    # pure decode of a full batch, the speed the engine would give if no prompt ever arrived: what
+    # the output rate with prefill is compared against
+    full = [s.seconds for s in decode if s.rows == max_num_seqs]
+    full_median = statistics.median(full) if full else None
     return {
         "wall_s": wall_s,
         "output_tokens": output,
@@ -149,5 +153,10 @@ def summarize(
             if steps
             else 0.0,
             "graph_replay_ratio": (sum(s.graph_replay for s in decode) / len(decode)) if decode else None,
+            "full_batch_decode": {
+                "count": len(full),
+                "median_s": full_median,
+                "output_tokens_per_s": max_num_seqs / full_median if full_median else None,
+            },
         },
     }

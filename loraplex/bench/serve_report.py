@@ -59,6 +59,14 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             f"output tokens/s with adapters / base-only: {ratios['output_tokens_per_s_vs_base']:.3f}",
         ]
+    if "base_only_vs_full_batch_decode" in ratios:
+        full = report["base_only"]["steps"]["full_batch_decode"]
+        lines += [
+            "base-only output tokens/s / pure decode of a full batch "
+            f"({full['output_tokens_per_s']:.1f} tok/s: max_num_seqs / the median of this run's "
+            f"{full['count']} full decode steps): "
+            f"{ratios['base_only_vs_full_batch_decode']:.3f}"
+        ]
     if "output_tokens_per_s_http_vs_in_process" in ratios:
         lines += [
             "output tokens/s over HTTP (streaming, the bench's own server process) / in-process: "

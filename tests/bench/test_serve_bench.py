@@ -8,6 +8,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from loraplex.bench.serve import run
 from loraplex.bench.serve_model import ServeBenchArgs
 from loraplex.bench.workloads import generate
@@ -102,6 +104,18 @@ def test_busy_union_counts_overlapping_kernels_once() -> None:
 
     assert union_length([]) == 0
     assert union_length([(0, 10), (5, 12), (20, 25), (21, 22), (30, 31)]) == 12 + 5 + 1
+
+
+def test_base_only_against_pure_decode_of_a_full_batch(tmp_path: Path) -> None:
+    """The ratio the serving target names: base-only output tokens/s over max_num_seqs / the
+    median of the run's decode steps that carry a full batch (and only those)."""
+    args = replace(ServeBenchArgs.smoke_args(), max_num_seqs=8)  # the closed loop's 8 fill it
+    report = run(args, tmp_path, progress=False)
+    full = report["base_only"]["steps"]["full_batch_decode"]
+    assert full["count"] > 0
+    ratio = report["ratios"]["base_only_vs_full_batch_decode"]
+    assert ratio == pytest.approx(report["base_only"]["output_tokens_per_s"] * full["median_s"] / 8)
+    assert 0 < ratio < 1.5 and "pure decode of a full batch" in (tmp_path / "serve.md").read_text()
 
 
 def test_the_profiler_stays_out_of_measured_runs(monkeypatch) -> None:  # noqa: ANN001
