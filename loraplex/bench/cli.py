@@ -115,7 +115,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True)
     k = sub.add_parser("kernels", help="LoRA kernels on Llama-3-8B layer shapes (needs CUDA)")
     k.add_argument("--out", type=Path, default=DEFAULT_KERNELS_OUT, help="output directory")
-    k.add_argument("--quick", action="store_true", help="only the three target cases")
+    k.add_argument("--quick", action="store_true", help="only the target cases")
     k.add_argument("--reps", type=int, default=40, help="timed runs per measurement (median)")
     k.add_argument("--warmup", type=int, default=5)
     k.add_argument(
