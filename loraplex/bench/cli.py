@@ -88,6 +88,11 @@ def _serve(args: argparse.Namespace) -> int:
             bench = replace(bench, more_seeds=tuple(int(x) for x in args.more_seeds.split(",")))
         if args.poisson_factor is not None:
             bench = replace(bench, poisson_factor=args.poisson_factor)
+        if args.budget_sweep:
+            bench = replace(bench, budget_sweep=tuple(int(x) for x in args.budget_sweep.split(",")))
+            most = bench.max_num_batched_tokens
+            if any(not 0 < b <= most for b in bench.budget_sweep):
+                raise ValueError(f"--budget-sweep budgets must be 1..{most} (--max-num-batched-tokens)")
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     report = run(bench, args.out, progress=not args.quiet)
@@ -180,6 +185,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--poisson-factor",
         type=float,
         help="then Poisson arrivals at this fraction of the closed-loop run's request rate, same engine",
+    )
+    s.add_argument(
+        "--budget-sweep",
+        help="then the workload base-only at each of these step token budgets (comma list, at most "
+        "--max-num-batched-tokens), admission batching off, same engine",
     )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     add_workload_flags(s)

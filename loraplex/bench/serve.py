@@ -267,7 +267,10 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
         report["after_startup"] = {
             k: v - report["startup"][k] for k, v in _counters(engine).items()
         }  # the warm-up requests and every measured run
-        _more_runs(report, args, engine, names, progress)
+        from loraplex.bench.serve_more import budget_sweep, more_runs
+
+        more_runs(report, args, engine, names, progress)
+        budget_sweep(report, args, engine, names, progress)
         if "http" in report:
             report.setdefault("ratios", {})["output_tokens_per_s_http_vs_in_process"] = (
                 report["http"]["output_tokens_per_s"] / report["adapters"]["output_tokens_per_s"]
@@ -282,33 +285,6 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
 
         write_report(report, out_dir)
     return report
-
-
-def _more_runs(
-    report: dict[str, Any],
-    args: ServeBenchArgs,
-    engine: Any,  # noqa: ANN401
-    names: list[str],
-    progress: bool,
-) -> None:
-    """`more_seeds` and `poisson_factor`: further workloads on the same engine, one after the
-    other, each as `report["more_runs"]` entries (name, workload spec, summary) and a ratio to its
-    base-only run."""
-    specs = [(f"seed {seed}", replace(args.workload, seed=seed)) for seed in args.more_seeds]
-    if args.poisson_factor is not None:
-        rate = args.poisson_factor * report["adapters"]["requests_per_s"]
-        specs.append((f"Poisson {rate:.2f} req/s", replace(args.workload, arrivals=f"poisson:{rate:.4f}")))
-    for label, spec in specs:
-        workload = generate(spec)
-        runs = report.setdefault("more_runs", [])
-        lora = run_in_process(engine, names, workload, base_only=False, progress=progress)
-        runs.append({"name": f"{label}, with adapters", "spec": asdict(spec), "run": lora})
-        if args.base_compare:
-            base = run_in_process(engine, names, workload, base_only=True, progress=progress)
-            runs.append({"name": f"{label}, base-only", "spec": asdict(spec), "run": base})
-            report.setdefault("ratios", {})[f"{label}: with adapters / base-only"] = (
-                lora["output_tokens_per_s"] / base["output_tokens_per_s"]
-            )
 
 
 def _counters(engine: Any) -> dict[str, int]:  # noqa: ANN401

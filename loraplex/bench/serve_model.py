@@ -46,6 +46,9 @@ class ServeBenchArgs:
     # with adapters, and base-only unless base_compare is off).
     more_seeds: tuple[int, ...] = ()
     poisson_factor: float | None = None
+    # Then the workload base-only at each of these step token budgets (admission batching off),
+    # on the same engine: which budget hides prefill under decode best.
+    budget_sweep: tuple[int, ...] = ()
 
     @classmethod
     def smoke_args(cls, **overrides: Any) -> ServeBenchArgs:  # noqa: ANN401

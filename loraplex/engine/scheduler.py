@@ -84,6 +84,7 @@ class Scheduler:
         self.clock = clock
         # resolved by the engine when the config leaves it to the device (None)
         self.admission_batch_tokens = admission_batch_tokens
+        self.token_budget = config.max_num_batched_tokens  # rows a step may plan (`set_step_budget`)
         self._admission_max_wait = config.admission_max_wait_ms / 1000
         # The adapter gate: a waiting sequence is admitted only once `ready(seq)` (its adapter is
         # device-resident); one that is not is passed over, not waited for, so it blocks nobody.
@@ -119,7 +120,7 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def schedule(self) -> StepPlan:
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
 
@@ -233,6 +234,18 @@ class Scheduler:
             for c in chunks:
                 self.policy.charge(c.seq, c.num_tokens)
         return StepPlan(tuple(chunks), tuple(preempted), cached_tokens)
+
+    def set_step_budget(self, tokens: int, admission_batch_tokens: int) -> None:
+        """Plan at most `tokens` rows a step from now on, and batch admissions up to
+        `admission_batch_tokens` (0: admit at once). At most the configured budget, which the
+        engine's buffers and CUDA graphs are sized for; `bench serve --budget-sweep` compares
+        budgets on one engine this way."""
+        most = self.config.max_num_batched_tokens
+        if not 0 < tokens <= most:
+            raise ValueError(f"a step budget must be 1..{most} (max_num_batched_tokens), got {tokens}")
+        if admission_batch_tokens < 0:
+            raise ValueError(f"admission_batch_tokens must be >= 0, got {admission_batch_tokens}")
+        self.token_budget, self.admission_batch_tokens = tokens, admission_batch_tokens
 
     def _hold_admissions(self, budget: int) -> bool:
         """Whether a pure decode step keeps its waiting prompts back: while fewer than

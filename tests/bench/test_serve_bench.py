@@ -118,6 +118,38 @@ def test_base_only_against_pure_decode_of_a_full_batch(tmp_path: Path) -> None:
     assert 0 < ratio < 1.5 and "pure decode of a full batch" in (tmp_path / "serve.md").read_text()
 
 
+def test_budget_sweep_reruns_base_only_at_each_budget(tmp_path: Path) -> None:
+    smoke = ServeBenchArgs.smoke_args()
+    args = replace(smoke, workload=replace(smoke.workload, num_requests=16), budget_sweep=(8, 16))
+    report = run(args, tmp_path, progress=False)
+    sweep = [r for r in report["more_runs"] if r["name"].startswith("budget ")]
+    assert [r["name"] for r in sweep] == [
+        "budget 8, admission batching off, base-only",
+        "budget 16, admission batching off, base-only",
+    ]
+    want = sum(r.output_len for r in generate(args.workload).requests)
+    assert all(r["run"]["output_tokens"] == want for r in sweep)
+    # no step of the budget-8 run planned more than 8 rows: its prefill took more mixed steps
+    kinds = [r["run"]["steps"]["by_kind"] for r in sweep]
+    steps = [sum(k["count"] for k in by.values()) for by in kinds]
+    assert steps[0] > steps[1]
+    assert "budget 8, admission batching off, base-only" in (tmp_path / "serve.md").read_text()
+
+
+def test_budget_sweep_restores_the_engines_budget() -> None:
+    from loraplex.bench.serve_model import build_engine
+    from loraplex.bench.serve_more import budget_sweep
+
+    smoke = ServeBenchArgs.smoke_args()
+    args = replace(smoke, workload=replace(smoke.workload, num_requests=6), budget_sweep=(8,))
+    engine, names, _ = build_engine(args, generate(args.workload))
+    before = (engine.scheduler.token_budget, engine.scheduler.admission_batch_tokens)
+    report: dict = {}
+    budget_sweep(report, args, engine, names, progress=False)
+    assert len(report["more_runs"]) == 1
+    assert (engine.scheduler.token_budget, engine.scheduler.admission_batch_tokens) == before
+
+
 def test_the_profiler_stays_out_of_measured_runs(monkeypatch) -> None:  # noqa: ANN001
     """Only `busy_of`'s replay of the first requests opens the GPU busy window: starting and
     stopping the profiler stalls every request in flight, so the measured runs never do."""

@@ -60,3 +60,22 @@ def test_finish_takes_a_sequence_out_of_whichever_queue_holds_it() -> None:
     sched.finish(a)
     sched.finish(b)  # an abort while queued
     assert not sched.running and not sched.waiting and sched.pool.num_free == 64
+
+
+def test_step_budget_changes_between_steps_within_the_configured_one() -> None:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(config, BlockPool(256), 4, admission_batch_tokens=32)
+    for i in range(3):
+        sched.add(_seq(i, prompt=40))
+    sched.set_step_budget(24, 0)
+    assert sched.schedule().num_rows == 24 and sched.admission_batch_tokens == 0
+    sched.set_step_budget(64, 32)
+    assert sched.schedule().num_rows == 64
+    for bad in (0, 65):
+        try:
+            sched.set_step_budget(bad, 0)
+        except ValueError as err:
+            assert "max_num_batched_tokens" in str(err)
+        else:
+            raise AssertionError(f"budget {bad} accepted")
+    assert sched.token_budget == 64
