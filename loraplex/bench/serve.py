@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from loraplex.bench.gpu_busy import BusyWindow
 from loraplex.bench.serve_metrics import RequestTiming, StepRecord, summarize
 from loraplex.bench.serve_model import ServeBenchArgs, build_engine, prompt_ids
+from loraplex.bench.serve_more import budget_sweep, more_runs
 from loraplex.bench.workloads import Workload, WorkloadRequest, generate
 
 if TYPE_CHECKING:
@@ -267,10 +268,12 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
         report["after_startup"] = {
             k: v - report["startup"][k] for k, v in _counters(engine).items()
         }  # the warm-up requests and every measured run
-        from loraplex.bench.serve_more import budget_sweep, more_runs
 
-        more_runs(report, args, engine, names, progress)
-        budget_sweep(report, args, engine, names, progress)
+        def replay(other: Workload, base_only: bool) -> dict[str, Any]:
+            return run_in_process(engine, names, other, base_only=base_only, progress=progress)
+
+        more_runs(report, args, replay)
+        budget_sweep(report, args, engine.scheduler, replay)
         if "http" in report:
             report.setdefault("ratios", {})["output_tokens_per_s_http_vs_in_process"] = (
                 report["http"]["output_tokens_per_s"] / report["adapters"]["output_tokens_per_s"]

@@ -145,7 +145,11 @@ def test_budget_sweep_restores_the_engines_budget() -> None:
     engine, names, _ = build_engine(args, generate(args.workload))
     before = (engine.scheduler.token_budget, engine.scheduler.admission_batch_tokens)
     report: dict = {}
-    budget_sweep(report, args, engine, names, progress=False)
+    from loraplex.bench.serve import run_in_process
+
+    budget_sweep(
+        report, args, engine.scheduler, lambda w, b: run_in_process(engine, names, w, b, progress=False)
+    )
     assert len(report["more_runs"]) == 1
     assert (engine.scheduler.token_budget, engine.scheduler.admission_batch_tokens) == before
 
