@@ -35,7 +35,7 @@ GIB = 1 << 30
 
 
 def _model_config(shape: str) -> Any:
-    from loraplex.bench.engine import llama3_8b_hf_dict, tiny_hf_dict
+    from loraplex.bench.random_weights import llama3_8b_hf_dict, tiny_hf_dict
     from loraplex.config import ModelConfig
 
     if shape == "llama3-8b":
@@ -76,7 +76,7 @@ def adapter_bytes(mc: Any, rank: int, targets: list[str], dtype: Any) -> tuple[i
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from loraplex.bench.workloads import parse_ranks
+    from loraplex.bench.workload_fields import parse_ranks
 
     shape = args.shape or "llama3-8b"
     mc = _model_config(shape)

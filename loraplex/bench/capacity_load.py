@@ -100,7 +100,7 @@ def run(
     from loraplex.adapters.host_cache import HostCache
     from loraplex.adapters.residency import AdapterResidency
     from loraplex.bench.capacity_sweep import SweepArgs, _model_config
-    from loraplex.bench.engine import random_adapter
+    from loraplex.bench.random_weights import random_adapter
     from loraplex.lora.layout import TARGETS
     from loraplex.lora.triton_table import LoRADeviceTable
     from loraplex.lora.weights import LoRASlotTable

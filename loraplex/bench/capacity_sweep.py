@@ -8,7 +8,7 @@ of requests whose adapter was on the device when they arrived, and the tiers' lo
 and stalls during the point. `--compare-resident` replays every point on a second engine whose
 device room holds every adapter (the all-resident baseline) and reports the ratios.
 
-Weights are random (bench/engine.py `random_model`, Llama-3 architecture, tiny or 8B-shaped);
+Weights are random (bench/random_weights.py `random_model`, Llama-3 architecture, tiny or 8B-shaped);
 adapters are random tensors registered straight into the host tier (no files, no hashing: each
 gets a synthetic revision), at the ranks the workload draws, on the chosen targets. The engines
 run one after the other in one process, each torn down before the next is built, on the same
@@ -87,7 +87,7 @@ def _spec(args: SweepArgs, count: int, popularity: str) -> WorkloadSpec:
 
 
 def _model_config(args: SweepArgs) -> Any:  # noqa: ANN401
-    from loraplex.bench.engine import llama3_8b_hf_dict, tiny_hf_dict
+    from loraplex.bench.random_weights import llama3_8b_hf_dict, tiny_hf_dict
     from loraplex.config import ModelConfig
 
     if args.shape not in ("tiny", "llama3-8b"):
@@ -118,7 +118,7 @@ def build_engine(
     revision by name, in registration order."""
     import torch
 
-    from loraplex.bench.engine import random_adapter, random_model
+    from loraplex.bench.random_weights import random_adapter, random_model
     from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
     from loraplex.engine.engine import Engine
     from loraplex.lora.layout import TARGETS

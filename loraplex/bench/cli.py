@@ -24,7 +24,8 @@ def _kernels(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from loraplex.bench.engine import EngineBenchArgs, run, summary_rows
+    from loraplex.bench.engine import EngineBenchArgs, run
+    from loraplex.bench.engine_report import summary_rows
 
     bench_args = EngineBenchArgs.preset(
         args.tiny,

@@ -20,7 +20,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from loraplex.bench.engine import random_adapter, random_model, tiny_hf_dict
+from loraplex.bench.random_weights import random_adapter, random_model, tiny_hf_dict
 from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import Engine
 from loraplex.model.llama import LlamaFamilyModel

@@ -1,9 +1,9 @@
 """`loraplex bench engine`: the decode step of the whole engine against its bandwidth floor.
 
 A Llama-3-8B-shaped model (or a tiny one with `tiny=True`) is built with random weights directly
-on the device, so no checkpoint is needed; random adapters of exact rank are made in memory and
-registered through the normal path (their revision is the usual content hash: about 0.3 s of host
-time per full-size r=16 adapter, recorded as `register_s`).
+on the device (bench/random_weights.py), so no checkpoint is needed; random adapters of exact rank
+are made in memory and registered through the normal path (their revision is the usual content
+hash: about 0.3 s of host time per full-size r=16 adapter, recorded as `register_s`).
 
 For each mode (base only, then LoRA with `adapters` distinct adapters assigned round-robin), the
 bench fills `batch` requests with `context` random prompt tokens, steps until every request is
@@ -13,12 +13,13 @@ sampling, stop checks), synchronized on CUDA; the median is reported.
 floor = (weight bytes + KV bytes read + LoRA bytes of the distinct adapters) / copy bandwidth,
 where the copy bandwidth is measured in the same run (device-to-device on CUDA). On CPU a host
 memcpy is measured instead and the floor is labelled as not meaningful.
+
+This module measures and returns the report (with its pass/fail against issue #5's targets);
+bench/engine_report.py writes it out.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-from loraplex.adapters.peft_import import LAYOUT_VERSION, MANIFEST_FORMAT, ImportedAdapter
-from loraplex.bench.plots import pyplot
+from loraplex.bench.engine_report import write_report
+from loraplex.bench.random_weights import llama3_8b_hf_dict, random_adapter, random_model, tiny_hf_dict
 from loraplex.config import (
     CacheConfig,
     EngineConfig,
@@ -38,10 +39,7 @@ from loraplex.config import (
     SchedulerConfig,
 )
 from loraplex.engine.engine import Engine
-from loraplex.lora.layout import TARGETS
-from loraplex.lora.weights import AdapterWeights, LoRAPair
 from loraplex.model.llama import LlamaFamilyModel
-from loraplex.model.registry import MODEL_CLASSES
 from loraplex.types import SamplingParams
 
 DEFAULT_OUT = Path("bench-results/engine")
@@ -75,107 +73,6 @@ class EngineBenchArgs:
         )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(tiny=tiny, **base)
-
-
-def llama3_8b_hf_dict(layers: int | None = None) -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": layers or 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 8192,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-        "tie_word_embeddings": False,
-    }
-
-
-def tiny_hf_dict(layers: int | None = None) -> dict[str, Any]:
-    d = llama3_8b_hf_dict(layers or 2)
-    d.update(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return d
-
-
-def random_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LlamaFamilyModel:
-    """The model with random weights made on `device` (never staged on the host)."""
-    torch.manual_seed(seed)
-    with device:
-        model = MODEL_CLASSES[mc.architecture](mc, dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)  # norm weights (and biases, which Llama has none of)
-            else:
-                p.normal_(0.0, 0.02)
-    return model.to(device).eval()
-
-
-def random_adapter(
-    mc: ModelConfig,
-    rank: int,
-    seed: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    targets: tuple[str, ...] = TARGETS,
-) -> ImportedAdapter:
-    """An adapter of exact rank `rank` on `targets` (default all seven) of every layer, random A
-    and B."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    alpha = 2.0 * rank
-    pairs: dict[tuple[int, str], LoRAPair] = {}
-    modules = []
-    for layer in range(mc.num_hidden_layers):
-        for target in targets:
-            d_in, d_out = mc.module_dims[target]
-            a = torch.randn(rank, d_in, generator=gen, device=device, dtype=dtype) / math.sqrt(d_in)
-            b = torch.randn(d_out, rank, generator=gen, device=device, dtype=dtype) * 0.01
-            pairs[(layer, target)] = LoRAPair(a, b, alpha / rank)
-            modules.append(
-                {
-                    "layer": layer,
-                    "target": target,
-                    "rank": rank,
-                    "alpha": alpha,
-                    "scale": alpha / rank,
-                    "a_shape": [rank, d_in],
-                    "b_shape": [d_out, rank],
-                }
-            )
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "layout_version": LAYOUT_VERSION,
-        "peft_type": "LORA",
-        "base_architecture": mc.architecture,
-        "use_rslora": False,
-        "targets": list(targets),
-        "source_dtypes": [str(dtype).removeprefix("torch.")],
-        "max_rank": rank,
-        "modules": modules,
-    }
-    return ImportedAdapter(AdapterWeights(pairs), manifest)
 
 
 def copy_bandwidth_bytes_per_s(device: torch.device, nbytes: int) -> float:
@@ -420,102 +317,3 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     if not report["floor_meaningful"]:
         t[0]["value"] = None  # a host memcpy is no ceiling for this engine: no verdict on CPU
     return t
-
-
-def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
-    def ms(x: float | None) -> str:
-        return "-" if x is None else f"{x:.3f}"
-
-    def ratio(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f}"
-
-    b = report["bytes"]
-    floor_note = "" if report["floor_meaningful"] else " (not meaningful on CPU)"
-    return [
-        ("copy bandwidth (GB/s, read + written)", f"{report['copy_bw_GBps']:.1f} ({report['copy_bw_kind']})"),
-        ("weight bytes per step (MB)", f"{b['weights'] / 1e6:.1f}"),
-        ("KV bytes read per step (MB)", f"{b['kv_read'] / 1e6:.1f}"),
-        ("LoRA bytes, distinct adapters (MB)", f"{b['lora'] / 1e6:.1f}"),
-        (f"bandwidth floor (ms){floor_note}", ms(report["floor_ms"])),
-        ("base-only step (ms)", ms(report["base_step_ms"])),
-        ("LoRA step (ms)", ms(report["lora_step_ms"])),
-        (f"base / floor{floor_note}", ratio(report["base_over_floor"])),
-        ("LoRA / base (median of pairs)", ratio(report["lora_over_base"])),
-        ("LoRA / base, pair range", _range(report.get("lora_over_base_range"))),
-    ]
-
-
-def _mode_words(a: dict[str, Any]) -> str:
-    if a.get("device", "cuda") != "cuda":
-        return "eager: CUDA graphs exist only on CUDA"
-    if not a.get("graphs", True):
-        return "eager, no CUDA graphs"
-    return "CUDA-graph replays, LoRA ops beside the base GEMMs"
-
-
-def _range(r: list[float] | None) -> str:
-    return "-" if not r else f"{r[0]:.2f} - {r[1]:.2f}"
-
-
-def markdown(report: dict[str, Any]) -> str:
-    a = report["args"]
-    m = report["model"]
-    lines = [
-        "# Engine decode-step benchmark",
-        "",
-        f"Device: {report['device']}; torch {report['torch']}; bf16 random weights, "
-        f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, vocab {m['vocab_size']}.",
-        f"Batch {a['batch']}, context {a['context']}, {a['adapters']} distinct adapters of rank {a['rank']} "
-        f"on all seven targets (round-robin); median of {a['steps']} timed decode steps of `Engine.step()`,"
-        f" {a.get('repeats', 1)} alternating base-only / LoRA pairs"
-        f" ({_mode_words(a)}).",
-        "",
-        "| quantity | value |",
-        "| --- | ---: |",
-    ]
-    lines += [f"| {k} | {v} |" for k, v in summary_rows(report)]
-    if not report["floor_meaningful"]:
-        lines += [
-            "",
-            "On CPU no copy-bandwidth ceiling is measured: the floor uses a host memcpy and is no target.",
-        ]
-    lines += ["", "| target | measured | threshold | pass |", "| --- | ---: | ---: | :---: |"]
-    for t in report["targets"]:
-        value = "-" if t["value"] is None else f"{t['value']:.2f}"
-        verdict = "-" if t["pass"] is None else ("yes" if t["pass"] else "NO")
-        lines.append(f"| {t['name']} | {value} | <= {t['threshold']} | {verdict} |")
-    lines += [
-        "",
-        f"Model build {report['build_s']:.1f} s; adapter registration (content hashing included) "
-        f"{report['register_s']:.1f} s.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    labels = ["floor", "base-only", "LoRA"]
-    values = [report["floor_ms"], report["base_step_ms"], report["lora_step_ms"] or 0.0]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar(labels, values, color=["grey", "tab:blue", "tab:orange"])
-    ax.set_ylabel("ms per decode step")
-    title = f"batch {report['args']['batch']}, context {report['args']['context']}"
-    ax.set_title(title if report["floor_meaningful"] else title + " (CPU: floor not meaningful)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def write_report(report: dict[str, Any], out_dir: Path, plot_png: bool = True) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for mode in ("base", "lora"):
-        if report[mode] and report[mode].get("profile"):
-            (out_dir / f"profile-{mode}.txt").write_text(report[mode]["profile"])
-    (out_dir / "engine.json").write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    if plot_png and not plot(report, out_dir / "engine.png"):
-        md += "\n(no plot: matplotlib is not installed)\n"
-    (out_dir / "engine.md").write_text(md)

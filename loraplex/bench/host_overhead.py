@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from loraplex.bench.engine import random_model, tiny_hf_dict
+from loraplex.bench.random_weights import random_model, tiny_hf_dict
 from loraplex.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import Engine
 from loraplex.engine.model_runner import ForwardResult

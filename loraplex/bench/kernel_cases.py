@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loraplex.bench.workloads import row_slots, spread
+from loraplex.bench.popularity import row_slots, spread
 from loraplex.lora.layout import GROUP_SLICES
 
 GROUPS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")

@@ -142,7 +142,7 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
         config = replace(config, scheduler=sched, graphs=graphs)
         engine = Engine(config)
     else:
-        from loraplex.bench.engine import llama3_8b_hf_dict, random_model, tiny_hf_dict
+        from loraplex.bench.random_weights import llama3_8b_hf_dict, random_model, tiny_hf_dict
         from loraplex.config import ModelConfig
 
         if args.random_shape not in ("llama3-8b", "tiny"):
@@ -154,7 +154,7 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
         config = _sized_config(args, workload, "<random weights>", args.dtype or "bfloat16", sched)
         model = random_model(mc, config.torch_dtype, torch.device(args.device), spec.seed)
         engine = Engine(config, model=model, tokenizer=bench_tokenizer(mc.vocab_size))
-    from loraplex.bench.engine import random_adapter
+    from loraplex.bench.random_weights import random_adapter
 
     names = []
     for i, rank in enumerate(workload.adapter_ranks):

@@ -26,7 +26,8 @@ from typing import Any, Protocol
 
 from loraplex.bench.sim_cost import StepCost, StepShape
 from loraplex.bench.sim_residency import SimResidency
-from loraplex.bench.workloads import Arrivals, Workload, WorkloadRequest
+from loraplex.bench.workload_fields import Arrivals
+from loraplex.bench.workloads import Workload, WorkloadRequest
 from loraplex.config import SchedulerConfig
 from loraplex.engine.scheduler import Scheduler, StepPlan
 from loraplex.engine.sequence import Sequence

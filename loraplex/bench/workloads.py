@@ -1,100 +1,43 @@
-"""Which adapter each request or token row uses: the popularity distributions of kernel tests
-and benchmarks.
+"""The serving workloads of `loraplex bench serve` (replayed as well by the simulator, the prefix
+and the capacity benches): adapters and their ranks, tenants, arrivals, prompt and output lengths,
+deterministic from a seed.
 
-identical  every row uses one adapter
-distinct   every row its own adapter (wrapping round when rows outnumber adapters)
-uniform    adapters drawn uniformly at random
-zipf:A     adapter k drawn with probability proportional to 1 / (k + 1)^A (default A = 1.0)
-skewed     half the rows on one hot adapter, the rest uniform over the others
+A `WorkloadSpec` is the whole description of a run's traffic, written as short strings so that it
+is a command-line flag and a JSON field at once; `generate` turns it, deterministically from its
+seed, into the request list a benchmark replays. The spec is saved with every result.
 
-and the serving workloads of `loraplex bench serve` (`WorkloadSpec`, `generate`): adapters and
-their ranks, tenants, arrivals, prompt and output lengths, deterministic from a seed.
+  lengths   "fixed:N" | "uniform:LO:HI" (inclusive; the S-LoRA setting is uniform:8:512) |
+            "lognormal:MEDIAN:SIGMA:MAX"
+  ranks     "16" | "8,16,32,64" (uniform over the list) | "8:0.5,16:0.3,64:0.2" (weighted)
+  arrivals  "closed:C" (C requests in flight; a finished one is replaced at once) |
+            "poisson:RATE" (requests/s) | "gamma:RATE:CV" (burstier for CV > 1) |
+            "burst:RATE:FACTOR:EVERY:LEN" (Poisson at RATE, at FACTOR x RATE during the first LEN
+            seconds of every EVERY seconds)
+  tenants   "" (one tenant) | "a:3,b:1" (names with rate weights; each tenant's requests arrive
+            as its own process at its share of the rate, or take its share of the concurrency)
+  deadlines "" (none) | "MS" (every request) | "a:MS,b:MS" (per tenant; others none): the time to
+            first token a request asks for, in milliseconds after its arrival
+
+These strings are parsed by bench/workload_fields.py; `popularity` is one of bench/popularity.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-POPULARITIES: tuple[str, ...] = ("identical", "distinct", "uniform", "zipf:1.0", "skewed")
-
-
-def _zipf_weights(n: int, a: float) -> list[float]:
-    return [1.0 / (k + 1) ** a for k in range(n)]
-
-
-def adapter_choices(n: int, num_adapters: int, popularity: str, seed: int = 0) -> list[int]:
-    """n draws of an adapter index in [0, num_adapters) under the named popularity."""
-    if num_adapters < 1:
-        raise ValueError("num_adapters must be >= 1")
-    rng = random.Random(seed)
-    kind, _, arg = popularity.partition(":")
-    if kind == "identical":
-        return [0] * n
-    if kind == "distinct":
-        return [i % num_adapters for i in range(n)]
-    if kind == "uniform":
-        return [rng.randrange(num_adapters) for _ in range(n)]
-    if kind == "zipf":
-        a = float(arg) if arg else 1.0
-        return rng.choices(range(num_adapters), weights=_zipf_weights(num_adapters, a), k=n)
-    if kind == "skewed":
-        if num_adapters == 1:
-            return [0] * n
-        return [0 if rng.random() < 0.5 else 1 + rng.randrange(num_adapters - 1) for _ in range(n)]
-    raise ValueError(f"unknown popularity {popularity!r}; expected one of {POPULARITIES}")
-
-
-def spread(n: int, num_adapters: int, seed: int = 0) -> list[int]:
-    """Exactly min(n, num_adapters) distinct adapters, as evenly as possible, in shuffled order."""
-    out = [i % num_adapters for i in range(n)]
-    random.Random(seed).shuffle(out)
-    return out
-
-
-def row_slots(
-    request_adapters: Sequence[int],
-    rows_per_request: Sequence[int] | int,
-    slots: Sequence[int] | None = None,
-    base_every: int = 0,
-) -> list[int]:
-    """Token-row slot list: each request contributes its rows contiguously (1 for decode).
-
-    slots maps an adapter index to its slot (identity by default); with base_every = k, every
-    k-th request runs on the base model alone (slot -1).
-    """
-    n = len(request_adapters)
-    lens = [rows_per_request] * n if isinstance(rows_per_request, int) else list(rows_per_request)
-    out: list[int] = []
-    for i, (adapter, n) in enumerate(zip(request_adapters, lens, strict=True)):
-        base = base_every > 0 and i % base_every == base_every - 1
-        out += [-1 if base else (slots[adapter] if slots is not None else adapter)] * n
-    return out
-
-
-# --- serving workloads: who asks what, when ----------------------------------------------------
-#
-# A `WorkloadSpec` is the whole description of a run's traffic, written as short strings so that it
-# is a command-line flag and a JSON field at once; `generate` turns it, deterministically from its
-# seed, into the request list a benchmark replays. The spec is saved with every result.
-#
-#   lengths   "fixed:N" | "uniform:LO:HI" (inclusive; the S-LoRA setting is uniform:8:512) |
-#             "lognormal:MEDIAN:SIGMA:MAX"
-#   ranks     "16" | "8,16,32,64" (uniform over the list) | "8:0.5,16:0.3,64:0.2" (weighted)
-#   arrivals  "closed:C" (C requests in flight; a finished one is replaced at once) |
-#             "poisson:RATE" (requests/s) | "gamma:RATE:CV" (burstier for CV > 1) |
-#             "burst:RATE:FACTOR:EVERY:LEN" (Poisson at RATE, at FACTOR x RATE during the first LEN
-#             seconds of every EVERY seconds)
-#   tenants   "" (one tenant) | "a:3,b:1" (names with rate weights; each tenant's requests arrive
-#             as its own process at its share of the rate, or take its share of the concurrency)
-#   deadlines "" (none) | "MS" (every request) | "a:MS,b:MS" (per tenant; others none): the time to
-#             first token a request asks for, in milliseconds after its arrival
+from loraplex.bench.popularity import adapter_choices
+from loraplex.bench.workload_fields import (
+    Arrivals,
+    LengthDist,
+    parse_deadlines,
+    parse_ranks,
+    parse_tenants,
+)
 
 
 @dataclass(frozen=True)
@@ -164,143 +107,6 @@ class Workload:
             "adapter_ranks": self.adapter_ranks,
             "requests": [asdict(r) for r in self.requests],
         }
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    kind: str
-    args: tuple[float, ...]
-
-    @classmethod
-    def parse(cls, text: str) -> LengthDist:
-        kind, _, rest = text.partition(":")
-        try:
-            args = tuple(float(a) for a in rest.split(":")) if rest else ()
-        except ValueError:
-            raise ValueError(f"bad length distribution {text!r}") from None
-        wanted = {"fixed": 1, "uniform": 2, "lognormal": 3}
-        if kind not in wanted or len(args) != wanted[kind]:
-            raise ValueError(
-                f"bad length distribution {text!r}: use fixed:N, uniform:LO:HI or lognormal:MEDIAN:SIGMA:MAX"
-            )
-        if (
-            any(a < 0 for a in args)
-            or (kind == "uniform" and args[0] > args[1])
-            or (kind != "lognormal" and args[0] < 1)
-        ):
-            raise ValueError(f"bad length distribution {text!r}: lengths must be >= 1 and LO <= HI")
-        return cls(kind, args)
-
-    def draw(self, rng: random.Random) -> int:
-        if self.kind == "fixed":
-            return int(self.args[0])
-        if self.kind == "uniform":
-            return rng.randint(int(self.args[0]), int(self.args[1]))
-        median, sigma, most = self.args
-        return max(1, min(int(most), round(rng.lognormvariate(math.log(median), sigma))))
-
-
-def parse_ranks(text: str) -> tuple[list[int], list[float]]:
-    """(ranks, weights) of a rank distribution."""
-    ranks: list[int] = []
-    weights: list[float] = []
-    for item in text.split(","):
-        rank, _, weight = item.partition(":")
-        try:
-            ranks.append(int(rank))
-            weights.append(float(weight) if weight else 1.0)
-        except ValueError:
-            raise ValueError(f"bad rank distribution {text!r}: use 16, 8,16,32 or 8:0.5,16:0.5") from None
-    if any(r < 1 for r in ranks) or any(w <= 0 for w in weights):
-        raise ValueError(f"bad rank distribution {text!r}: ranks >= 1, weights > 0")
-    return ranks, weights
-
-
-@dataclass(frozen=True)
-class Arrivals:
-    kind: str  # closed | poisson | gamma | burst
-    concurrency: int | None = None
-    rate: float | None = None
-    cv: float = 1.0
-    burst: tuple[float, float, float] = (1.0, 1.0, 0.0)  # factor, every (s), length (s)
-
-    @classmethod
-    def parse(cls, text: str) -> Arrivals:
-        kind, _, rest = text.partition(":")
-        parts = rest.split(":") if rest else []
-        try:
-            if kind == "closed" and len(parts) == 1 and int(parts[0]) >= 1:
-                return cls("closed", concurrency=int(parts[0]))
-            if kind == "poisson" and len(parts) == 1 and float(parts[0]) > 0:
-                return cls("poisson", rate=float(parts[0]))
-            if kind == "gamma" and len(parts) == 2 and float(parts[0]) > 0 and float(parts[1]) > 0:
-                return cls("gamma", rate=float(parts[0]), cv=float(parts[1]))
-            if kind == "burst" and len(parts) == 4:
-                rate, factor, every, length = (float(p) for p in parts)
-                if rate > 0 and factor > 0 and every > 0 and 0 <= length <= every:
-                    return cls("burst", rate=rate, burst=(factor, every, length))
-        except ValueError:
-            pass
-        raise ValueError(
-            f"bad arrivals {text!r}: use closed:CONCURRENCY, poisson:RATE, gamma:RATE:CV "
-            "or burst:RATE:FACTOR:EVERY:LEN"
-        )
-
-    def gaps(self, rng: random.Random, rate: float, n: int) -> list[float]:
-        """n inter-arrival gaps of a process at `rate` requests/s."""
-        if self.kind == "poisson":
-            return [rng.expovariate(rate) for _ in range(n)]
-        if self.kind == "burst":
-            return self._burst_gaps(rng, rate, n)
-        shape = 1.0 / (self.cv * self.cv)  # gamma with mean 1/rate and this coefficient of variation
-        return [rng.gammavariate(shape, 1.0 / (shape * rate)) for _ in range(n)]
-
-    def _burst_gaps(self, rng: random.Random, rate: float, n: int) -> list[float]:
-        # A Poisson process whose rate steps between `rate` and `factor x rate`: each gap is drawn
-        # at the rate in force where it starts (exact enough when a burst spans many arrivals).
-        factor, every, length = self.burst
-        t, out = 0.0, []
-        for _ in range(n):
-            gap = rng.expovariate(rate * factor if t % every < length else rate)
-            out.append(gap)
-            t += gap
-        return out
-
-
-def parse_deadlines(text: str, tenants: list[tuple[str, float]]) -> dict[str, float]:
-    """Tenant -> TTFT deadline in seconds (`deadlines` of a WorkloadSpec); absent: none."""
-    if not text:
-        return {}
-    names = [n for n, _ in tenants]
-    pairs = [("", text)] if ":" not in text else [tuple(i.split(":", 1)) for i in text.split(",")]
-    out: dict[str, float] = {}
-    for name, ms in pairs:
-        try:
-            value = float(ms) / 1000
-        except ValueError:
-            value = -1.0
-        if value <= 0 or (name and name not in names):
-            raise ValueError(f"bad deadlines {text!r}: use MS or TENANT:MS,... with known tenants")
-        out.update({n: value for n in ([name] if name else names)})
-    return out
-
-
-def parse_tenants(text: str) -> list[tuple[str, float]]:
-    if not text:
-        return [("default", 1.0)]
-    out = []
-    for item in text.split(","):
-        name, _, weight = item.partition(":")
-        try:
-            w = float(weight) if weight else 1.0
-        except ValueError:
-            w = -1.0
-        if not name or w <= 0:
-            raise ValueError(f"bad tenants {text!r}: use NAME:WEIGHT,NAME:WEIGHT")
-        out.append((name, w))
-    if len({n for n, _ in out}) != len(out):
-        raise ValueError(f"bad tenants {text!r}: a name appears twice")
-    return out
 
 
 def load_conversations(path: str | Path) -> list[tuple[str, int | None]]:

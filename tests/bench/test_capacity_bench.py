@@ -32,7 +32,7 @@ def test_capacity_report_matches_the_shape_arithmetic(tmp_path: Path) -> None:
 
 
 def _dims_sum(hidden: int) -> int:
-    from loraplex.bench.engine import tiny_hf_dict
+    from loraplex.bench.random_weights import tiny_hf_dict
     from loraplex.config import ModelConfig
 
     mc = ModelConfig.from_hf_dict(tiny_hf_dict())

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from loraplex.bench.cli import main
-from loraplex.bench.engine import EngineBenchArgs, random_adapter, random_model, run, tiny_hf_dict
+from loraplex.bench.engine import EngineBenchArgs, run
+from loraplex.bench.random_weights import random_adapter, random_model, tiny_hf_dict
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.engine import Engine
 from loraplex.types import SamplingParams

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from loraplex.bench.workloads import POPULARITIES, adapter_choices, row_slots, spread
+from loraplex.bench.popularity import POPULARITIES, adapter_choices, row_slots, spread
 
 
 def test_popularities_shape_the_draws() -> None:

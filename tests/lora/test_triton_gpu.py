@@ -16,7 +16,7 @@ from lora.lora_cases import (
     row_errors,
     slice_offsets,
 )
-from loraplex.bench.workloads import POPULARITIES, adapter_choices, row_slots, spread
+from loraplex.bench.popularity import POPULARITIES, adapter_choices, row_slots, spread
 from loraplex.lora.metadata import LoRABatchMetadata
 
 pytestmark = pytest.mark.gpu

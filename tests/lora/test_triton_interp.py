@@ -33,7 +33,7 @@ from lora.lora_cases import (  # noqa: E402
 from loraplex.adapters.device_pool import AdapterPool  # noqa: E402
 from loraplex.adapters.host_cache import HostCache  # noqa: E402
 from loraplex.adapters.residency import AdapterResidency  # noqa: E402
-from loraplex.bench.workloads import POPULARITIES, adapter_choices  # noqa: E402
+from loraplex.bench.popularity import POPULARITIES, adapter_choices  # noqa: E402
 from loraplex.lora.metadata import LoRABatchMetadata, StaticLoRAShape  # noqa: E402
 from loraplex.lora.ops_triton import TritonLoRABackend  # noqa: E402
 from loraplex.lora.triton_config import DECODE, PREFILL, DecodeTiling  # noqa: E402
