@@ -44,15 +44,26 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     cost = StepCost.from_dict(json.loads(args.cost.read_text())) if args.cost else H200
-    if args.fit:
-        cost = sim_fit.fit(sim_fit.load_runs(args.fit))
-    checked = args.check if args.check is not None else args.fit
+    one_ahead = not args.serial_steps
+    fit_runs = args.fit_runs or sim_fit.MAIN_RUNS
+    fitted = sim_fit.load_runs(args.fit, fit_runs, one_ahead, args.steps_timed_next) if args.fit else []
+    check_paths = args.check if args.check is not None else args.fit
+    checked = (
+        sim_fit.load_runs(check_paths, args.check_runs or fit_runs, one_ahead, args.steps_timed_next)
+        if check_paths
+        else []
+    )
+    if (args.fit and not fitted) or (check_paths and not checked):
+        raise SystemExit("error: no run of the --fit or --check files matches --fit-runs or --check-runs")
+    if fitted:
+        cost = sim_fit.fit(fitted)
     sim = SimConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_blocks=args.kv_blocks,
         device_slots=args.device_slots,
         host_slots=args.host_slots,
+        one_ahead=one_ahead,
     )
     if args.smoke and args.device_slots is None:
         sim = replace(sim, device_slots=8, host_slots=12)
@@ -64,8 +75,10 @@ def _run(args: argparse.Namespace) -> int:
         "policies": [summarize(simulate(workload, p, cost, sim), args.starvation_s) for p in policies],
     }
     if checked:
-        report["fit_check"] = sim_fit.check(sim_fit.load_runs(checked), cost)
-        report["fit_check_held_back"] = bool(args.fit) and set(checked).isdisjoint(args.fit)
+        report["fit_check"] = sim_fit.check(checked, cost)
+        report["fit_check_held_back"] = bool(fitted) and {r.identity for r in checked}.isdisjoint(
+            r.identity for r in fitted
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "simulate.json").write_text(json.dumps(report, indent=1))
     text = markdown(report)
@@ -103,6 +116,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fit", type=Path, nargs="+", help="fit the step costs to these serve.json results")
     p.add_argument(
         "--check", type=Path, nargs="+", help="report predicted against measured for these serve.json"
+    )
+    runs = (
+        "a run's key (adapters, base_only, or a more_runs entry's name in lower case with '-' between "
+        "words) or of <file stem>:<key>"
+    )
+    p.add_argument(
+        "--fit-runs",
+        nargs="+",
+        metavar="PATTERN",
+        help=f"which runs of the --fit files (fnmatch patterns of {runs}; default: adapters base_only)",
+    )
+    p.add_argument(
+        "--check-runs",
+        nargs="+",
+        metavar="PATTERN",
+        help="which runs of the --check files (as --fit-runs; default: those of --fit-runs), "
+        "e.g. 'poisson-*' for the Poisson runs of bench serve --poisson-factor",
+    )
+    p.add_argument(
+        "--serial-steps",
+        action="store_true",
+        help="the engine.step() serving loop (each step planned once the last one completed), as "
+        "in serve results before 2026-12-01-overlapped; default: one step ahead (step_overlapped)",
+    )
+    p.add_argument(
+        "--steps-timed-next",
+        action="store_true",
+        help="the --fit and --check results time each step by the next one (the engine whose loop "
+        "one step ahead waited for the step it launched: serve-h200-2026-12-01-lookahead-sync.json)",
     )
     add_workload_flags(p)
     p.add_argument("--out", type=Path, default=Path("bench-results/simulate"), help="output directory")

@@ -2,17 +2,21 @@
 real scheduler planned (bench/simulate.py), and what an adapter load costs by the tier it comes
 from.
 
-    step = fixed(graph-replayed decode step | eager step)
+    step = fixed(pure decode step | step with prefill)
          + prefill_token_s x prefill rows + decode_row_s x decode rows
          + lora_row_s x rows on an adapter + segment_s x distinct adapters in the step
     then gap_s of host time before the next step (the serving loop, deltas, arrivals)
 
-Why these terms: a pure decode step replays a CUDA graph (cheap to launch) while a step carrying
-prefill runs eagerly (host-bound launches); prefill rows are compute-bound, decode rows mostly KV
-reads; the LoRA kernels do per-row work plus per-segment work (one adapter's weights read per
-segment). The fixed and per-row coefficients come from `bench serve` results (bench/sim_fit.py);
-the load costs from the load-latency measurement (docs/results/load-latency-h200-2026-12-01.md),
-since serve runs keep every adapter resident and so measure no load.
+Why these terms: a pure decode step replays a decode graph; a step carrying prefill ran eagerly
+(host-bound launches) in the engine of the first fit, and replays a token-bucket graph since
+(docs/cuda-graphs.md), so its fixed part has its own coefficient (`eager_step_s`, named after
+the first); prefill rows are compute-bound, decode rows mostly KV reads; the LoRA kernels do
+per-row work plus per-segment work (one adapter's weights read per segment). The fixed and
+per-row coefficients come from `bench serve` results (bench/sim_fit.py); the load costs from the
+load-latency measurement (docs/results/load-latency-h200-2026-12-01-claimed-slot.md), since serve
+runs keep every adapter resident and so measure no load. Where the serving loop runs one step
+ahead (SimConfig.one_ahead, as the engine's serving loops do), a step's host work overlaps the
+step before it on the device: bench serve's step time holds it, and gap_s is 0.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class StepShape:
     lora_rows: int  # rows of sequences on an adapter
     segments: int  # distinct adapters in the step (base rows are no segment)
     sequences: int
-    graph: bool  # a pure decode step small enough to replay a CUDA graph
+    graph: bool  # a pure decode step small enough to replay a decode graph (else: fixed part eager_step_s)
 
     @property
     def rows(self) -> int:
@@ -58,7 +62,7 @@ FITTED: tuple[str, ...] = (
 @dataclass(frozen=True)
 class StepCost:
     graph_step_s: float  # fixed part of a graph-replayed decode step
-    eager_step_s: float  # fixed part of an eager (prefill or mixed) step
+    eager_step_s: float  # fixed part of a step with prefill (eager before mixed-step graphs, a replay since)
     prefill_token_s: float
     decode_row_s: float
     lora_row_s: float
@@ -103,8 +107,10 @@ class StepCost:
 # Priors of the fit (where the serve results leave a direction unmeasured, the fit stays near
 # them) and the load costs. Sources: engine-h200.json (decode step at batch 64: 8.65 ms base,
 # 10.15 ms with 32 adapters), docs/bench.md (an eager step is host-bound: tens of ms of wall for
-# a third of it in kernels), load-latency-h200-2026-12-01.md (r=16, host -> device 4.9 ms). The
-# disk load is an assumption (safetensors read at ~2 GB/s plus the host copy), not a measurement.
+# a third of it in kernels; a prior from before mixed-step graphs, which a fit to one token budget
+# stays near: docs/bench.md, bench simulate), load-latency-h200-2026-12-01-claimed-slot.md (r=16,
+# host -> device until a step may use the slot, 1.97 ms). The disk load is an assumption
+# (safetensors read at ~2 GB/s plus the host copy), not a measurement.
 PRIOR = StepCost(
     graph_step_s=6e-3,
     eager_step_s=15e-3,
@@ -113,22 +119,26 @@ PRIOR = StepCost(
     lora_row_s=5e-6,
     segment_s=0.1e-3,
     gap_s=1.5e-3,
-    host_load_s=4.9e-3,
+    host_load_s=1.97e-3,
     disk_load_s=45e-3,
     source="priors (sim_cost.PRIOR)",
 )
 
-# The fit to docs/results/serve-h200-2026-12-01.json (both runs; Llama-3-8B-shaped bf16, 64
-# sequences, 2048-token steps, 32 r=16 adapters) by `loraplex bench simulate --fit` (sim_fit.fit),
-# rounded; the simulator's default. docs/bench.md has predicted against measured.
+# The fit to docs/results/serve-h200-2026-12-02.json and serve-h200-2026-12-02-budget512.json
+# (the engine with mixed-step graphs and its serving loop one step ahead; Llama-3-8B-shaped bf16,
+# 64 sequences, 32 r=16 adapters; 2048-token steps with admission batching, and 512-token steps
+# without: the two budgets are what separates a prefill step's fixed part from its rows), both
+# runs of each, by `loraplex bench simulate --fit` (sim_fit.fit), rounded; the simulator's
+# default. docs/bench.md has predicted against measured, and the checks on runs held back.
 H200 = replace(
     PRIOR,
-    graph_step_s=5.73e-3,
-    eager_step_s=16.99e-3,
-    prefill_token_s=17.09e-6,
-    decode_row_s=50.87e-6,
-    lora_row_s=7.44e-6,
-    segment_s=0.0719e-3,
-    gap_s=1.37e-3,
-    source="fitted to docs/results/serve-h200-2026-12-01.json (adapters, base_only)",
+    graph_step_s=4.38e-3,
+    eager_step_s=2.43e-3,
+    prefill_token_s=21.72e-6,
+    decode_row_s=36.82e-6,
+    lora_row_s=3.84e-6,
+    segment_s=0.0433e-3,
+    gap_s=0.0,
+    source="fitted to docs/results/serve-h200-2026-12-02.json and serve-h200-2026-12-02-budget512.json "
+    "(adapters, base_only)",
 )

@@ -3,11 +3,16 @@ real `BlockPool`) driven on a virtual clock, each step priced by the step-cost m
 (bench/sim_cost.py), adapters kept resident by a slot model (bench/sim_residency.py) behind the
 scheduler's `ready` gate. The workload is bench/workloads.py's, as `bench serve` replays it.
 
-One loop iteration is one engine step, as engine.step() does it: arrivals due by now are added;
-finished loads become ready and loads start for waiting sequences; the scheduler plans; the clock
-advances by the step's cost; every chunk's rows count as computed, a chunk that completes its
-sequence's known tokens samples a token (a dummy id), and a sequence with all its output tokens
-finishes. Then the clock advances by the host gap between steps.
+One loop iteration is one engine step: arrivals due by now are added; finished loads become
+ready and loads start for waiting sequences; the scheduler plans a step and it is launched (its
+rows count as computed, and a chunk that completes its sequence's known tokens has a token
+pending); a step completes: the clock advances by its cost, each pending token (a dummy id)
+arrives, and a sequence with all its output tokens finishes. Then the clock advances by the host
+gap between steps. As engine.step() does it (`SimConfig.one_ahead` False), the step completed is
+the one just launched; one step ahead, as the engine's serving loops run
+(Engine.step_overlapped), it is the one launched in the iteration before, so a step is planned
+while the one before it still runs: an arrival waits for the step in flight, and a sequence
+whose pending token ends it by length gets no row in it.
 
 A policy is a parameter (`Policy`): today the FCFS scheduler with admission batching on or off;
 an adapter-aware policy plugs in as one more `Policy` whose `build` returns its scheduler.
@@ -108,6 +113,9 @@ class SimConfig:
     graph_max_batch: int = 256  # pure decode steps of up to this many sequences replay a graph
     device_slots: int | None = None  # None: every adapter resident from the start
     host_slots: int | None = None  # None: every adapter in host memory from the start
+    # The serving loop one step ahead (Engine.step_overlapped, as the server and bench serve run
+    # it): each step is planned while the one before it is still in flight; False: engine.step()
+    one_ahead: bool = True
 
 
 @dataclass
@@ -149,6 +157,14 @@ class SimRun:
     served_rows_open: dict[str, int] = field(default_factory=dict)
     loads: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class _Launched:
+    shape: StepShape
+    seconds: float
+    adapters: set[int]
+    sampled: list[Sequence]  # the sequences a token is sampled for, pending until it completes
 
 
 @dataclass
@@ -219,6 +235,25 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
         live[seq] = _Live(req, a)
         sched.add(seq)
 
+    def launch(plan: StepPlan) -> _Launched:
+        """The step's rows count as computed from here, and a sequence it samples for has a token
+        pending (as the engine's launch does), so a step planned before this one completes plans
+        around it."""
+        shape, adapters = _shape(plan, live, sim.graph_max_batch)
+        sampled = []
+        for chunk in plan.chunks:
+            seq, n = chunk.seq, chunk.num_tokens
+            if chunk.completes:
+                seq.pending += 1
+                sampled.append(seq)
+            seq.num_computed += n
+            tenant = live[seq].req.tenant
+            served[tenant] = served.get(tenant, 0) + n
+            if pending:
+                served_open[tenant] = served_open.get(tenant, 0) + n
+        return _Launched(shape, cost.seconds(shape), adapters, sampled)
+
+    in_flight: _Launched | None = None  # one ahead: the step launched and not completed
     while pending or live:
         if concurrency is not None:
             while pending and len(live) < concurrency:
@@ -235,27 +270,20 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
         if asked:
             _load_asked(list(asked), sched, live, residency, now)
             asked.clear()
-        if not plan.chunks:
-            now = _idle_until(now, pending, concurrency, residency)
-            continue
-        shape, adapters = _shape(plan, live, sim.graph_max_batch)
-        seconds = cost.seconds(shape)
-        steps.append(SimStep(now, seconds, shape))
-        now += seconds
+        launched = launch(plan) if plan.chunks else None
+        done, in_flight = (in_flight, launched) if sim.one_ahead else (launched, None)
+        if done is None:
+            if in_flight is None:
+                now = _idle_until(now, pending, concurrency, residency)
+            continue  # (one ahead: the first step after an idle one is launched, nothing completes)
+        steps.append(SimStep(now, done.seconds, done.shape))
+        now += done.seconds
         if not all_resident:
-            residency.touch(adapters)
-        for chunk in plan.chunks:
-            seq, n = chunk.seq, chunk.num_tokens
-            completes = seq.num_computed + n == seq.num_tokens
-            seq.num_computed += n
-            lv = live[seq]
-            tenant = lv.req.tenant
-            served[tenant] = served.get(tenant, 0) + n
-            if pending:
-                served_open[tenant] = served_open.get(tenant, 0) + n
-            if not completes:
-                continue
+            residency.touch(done.adapters)
+        for seq in done.sampled:
+            seq.pending -= 1
             seq.output_token_ids.append(0)
+            lv = live[seq]
             if lv.req.first_token_s is None:
                 lv.req.first_token_s = now
             if len(seq.output_token_ids) >= lv.req.output_len:

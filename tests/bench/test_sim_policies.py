@@ -33,8 +33,8 @@ def _with(policy: Policy, **knobs: int | str) -> Policy:
 
 
 def test_a_flooding_tenant_keeps_its_hands_off_the_other_tenants_latency_and_share() -> None:
-    # Capacity here is about 34 requests/s; tenant b sends 8/s. Without the flood a sends 8/s too;
-    # with it, 102/s (3x capacity).
+    # Capacity here is about 63 requests/s (sim_cost.H200); tenant b sends 8/s. Without the flood a
+    # sends 8/s too; with it, 182/s (3x capacity) for about 36 s.
     quiet = WorkloadSpec(
         seed=2,
         num_requests=600,
@@ -44,7 +44,7 @@ def test_a_flooding_tenant_keeps_its_hands_off_the_other_tenants_latency_and_sha
         prompt_len=PROMPTS,
         output_len=OUTPUTS,
     )
-    flood = dataclasses.replace(quiet, num_requests=4000, arrivals="poisson:110", tenants="a:102,b:8")
+    flood = dataclasses.replace(quiet, num_requests=6900, arrivals="poisson:190", tenants="a:182,b:8")
     fair, _ = _share_and_p99(flood, quiet, "adaptive")
     unfair, fair_share = _share_and_p99(flood, quiet, "fcfs")
     assert fair["p99_ratio"] <= 2.0 and fair["share"] >= 0.5 * fair_share, (fair, fair_share)
@@ -66,11 +66,11 @@ def _share_and_p99(flood: WorkloadSpec, quiet: WorkloadSpec, policy: str) -> tup
 
 
 def test_a_rarely_used_adapter_next_to_a_hot_one_meets_its_deadline() -> None:
-    # One hot adapter at about 1.3x capacity; tenant r's requests use adapter 9 (rare) and ask for
-    # a first token within 500 ms.
+    # One hot adapter at about 1.3x capacity (about 64 requests/s here); tenant r's requests use
+    # adapter 9 (rare) and ask for a first token within 500 ms.
     spec = WorkloadSpec(
-        seed=3, num_requests=1500, num_adapters=10, base_share=0.0, popularity="identical",
-        arrivals="poisson:45", tenants="h:44,r:1", deadlines="r:500", prompt_len=PROMPTS, output_len=OUTPUTS,
+        seed=3, num_requests=2800, num_adapters=10, base_share=0.0, popularity="identical",
+        arrivals="poisson:83", tenants="h:82,r:1", deadlines="r:500", prompt_len=PROMPTS, output_len=OUTPUTS,
     )  # fmt: skip
     work = _on_adapter(generate(spec), "r", 9)
     _, adaptive = _run(work, POLICIES["adaptive"])
@@ -126,8 +126,8 @@ def test_no_request_starves_past_the_bound() -> None:
 
 def test_a_tenant_that_took_every_slot_first_gives_slots_up_to_a_backlogged_one() -> None:
     # Tenant a's 128 long requests (1,000-1,500 output tokens) all arrive at t=0 and take the 64
-    # slots, its first to finish only ~10 s later; tenant b asks for short ones at 4/s from t=1 s.
-    # Fair admission alone gives b the next free slot, which takes ~10 s to come; the adaptive
+    # slots, its first to finish only ~8 s later; tenant b asks for short ones at 4/s from t=1 s.
+    # Fair admission alone gives b the next free slot, which takes ~8 s to come; the adaptive
     # running set lets a request of b that waited `displace_after_ms` take a slot from a.
     spec = WorkloadSpec(
         seed=6, num_requests=168, num_adapters=4, arrivals="poisson:4", tenants="a:1,b:1",
