@@ -13,7 +13,11 @@ finished loads into device residency:
   a running sequence will be scheduled again), and, while anything else makes room, never one
   that a queued sequence waits for. Victims go to the host tier first, so they reload without
   disk. When nothing runs and every resident adapter is only awaited by queued sequences, the
-  queued protection is lifted so the queue cannot deadlock.
+  queued protection is lifted so the queue cannot deadlock. An adapter that became resident in
+  this `poll` is never a victim: the step planned next sees every load it finished. Otherwise,
+  with nothing running, two loads could evict each other as each completes (a side-stream copy
+  is committed in one `poll` and the next placement took its room), and a starved request at the
+  front of the adaptive order would never see its adapter, nor would anything behind it run.
 - Each tenant's residency limits (set at runtime by `set_tenant_limits`, from the control plane's
   records) feed the policy: device budgets, guaranteed residency, priority, and a cold-load rate
   paid when a load onto the device starts. A load over its tenant's rate is deferred (its requests
@@ -95,6 +99,7 @@ class AdapterTiers:
         self._deferred: set[str] = set()  # loads waiting for their tenant's cold-load rate
         self._started: dict[str, tuple[str, float]] = {}  # revision -> (source tier, load start)
         self._copying: dict[str, AdapterWeights] = {}  # side-stream copies in flight: their host copy
+        self._placed: set[str] = set()  # resident since this `poll` began: no victims before a step
         self.metrics = TierMetrics()
         self._executor: ThreadPoolExecutor | None = None
         self.counts: Counter[str] = Counter()  # hits per tier, loads, evictions, stalls
@@ -251,11 +256,13 @@ class AdapterTiers:
         # Deferred loads are asked for again by the scheduler's gate after this; one nobody asks
         # for any more (its requests ended) is forgotten.
         self._deferred.clear()
+        self._placed.clear()
         if self.copies:
             for revision in self.copies.finished():  # side-stream copies complete: now resident
                 self.counts["loads"] += 1
                 self.events += 1
                 self._record_load(revision, self._copying.pop(revision))
+                self._placed.add(revision)
         if not (self._loading or self._ready):
             return
         for revision, future in list(self._loading.items()):
@@ -312,6 +319,7 @@ class AdapterTiers:
             self._copying[revision] = weights
             return True
         self.residency.load(revision, weights)
+        self._placed.add(revision)
         self.counts["loads"] += 1
         self.events += 1
         self._record_load(revision, weights)
@@ -339,7 +347,7 @@ class AdapterTiers:
                     self._tenant.get(r, ""),
                     self.pool.allocated_of(r),
                     Tier.HOST if r in self.host else Tier.DISK,
-                    references=refs[r],
+                    references=refs[r] + (r in self._placed),  # placed just now: kept for a step
                     queued=queued[r] if protect_queued else 0,
                 )
                 for r in self.residency.resident_revisions()

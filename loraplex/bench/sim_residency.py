@@ -4,8 +4,12 @@ Deliberately simpler than the engine's tiers (adapters/tiers.py): least recently
 at both levels (the host cache counts the device-resident adapters too: their host copies stay),
 and one loader that copies one adapter at a time, so loads queue. A slot is taken when its load
 starts; an adapter is `ready` (the scheduler's gate) once its load has finished. An adapter that
-running sequences use is never evicted. Everything is on the simulator's virtual clock; nothing
-here sleeps.
+running sequences use is never evicted, nor one whose load finished since the last step was planned
+(`planned`): as in the engine, where a finished load is placed right before the scheduler runs, a
+step is planned with every finished load resident, so the waiting sequence it is for can be
+admitted before another load takes its slot. Without that, two loads could keep evicting each
+other's finished adapters before any step saw them, and nothing would be admitted again.
+Everything is on the simulator's virtual clock; nothing here sleeps.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class SimResidency:
         self._device: OrderedDict[int, None] = OrderedDict()
         self._host: OrderedDict[int, None] = OrderedDict()
         self._loading: dict[int, float] = {}  # adapter -> when its load finishes
+        self._unseen: set[int] = set()  # loaded since the last step was planned: not evicted
         self._loader_free_at = 0.0
         self.loads = {"host": 0, "disk": 0}
         for a in preload:
@@ -62,6 +67,11 @@ class SimResidency:
             if done <= now:
                 del self._loading[a]
                 self._device[a] = None
+                self._unseen.add(a)
+
+    def planned(self) -> None:
+        """A step was planned with the adapters resident now: they may be evicted from here on."""
+        self._unseen.clear()
 
     def next_event(self) -> float | None:
         """When the next load finishes (None: none in flight)."""
@@ -69,11 +79,12 @@ class SimResidency:
 
     def request(self, adapter: int, now: float, in_use: set[int]) -> bool:
         """Start loading `adapter` unless it is resident or loading; False when no slot can be
-        freed (every resident adapter is in use), so the caller tries again after a step."""
+        freed (every resident adapter is in use or loaded since the last step was planned), so the
+        caller tries again after a step."""
         if adapter in self._device or adapter in self._loading:
             return True
         if len(self._device) + len(self._loading) >= self.device_slots:
-            victim = next((a for a in self._device if a not in in_use), None)
+            victim = next((a for a in self._device if a not in in_use and a not in self._unseen), None)
             if victim is None:
                 return False
             del self._device[victim]

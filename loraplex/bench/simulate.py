@@ -266,6 +266,8 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
             residency.advance(now)
             _start_loads(sched, live, residency, now, sim.max_num_seqs)
         plan = sched.schedule()
+        if not all_resident:
+            residency.planned()
         preemptions += len(plan.preempted)
         if asked:
             _load_asked(list(asked), sched, live, residency, now)

@@ -204,17 +204,19 @@ class AdaptivePolicy:
 
     def _urgent(self, now: float, seen: set[Sequence], limit: int) -> Iterator[Sequence]:
         heap, later = self._deadlines, []
-        while heap and heap[0][0] - now <= self.slack and len(seen) < limit:
-            entry = heapq.heappop(heap)
-            seq = entry[2]
-            if seq not in self._waiting:
-                continue  # admitted or aborted since: a stale entry
-            later.append(entry)  # kept until it is admitted (it may not fit this step)
-            if seq not in seen:
-                seen.add(seq)
-                yield seq
-        for entry in later:
-            heapq.heappush(heap, entry)
+        try:
+            while heap and heap[0][0] - now <= self.slack and len(seen) < limit:
+                entry = heapq.heappop(heap)
+                seq = entry[2]
+                if seq not in self._waiting:
+                    continue  # admitted or aborted since: a stale entry
+                later.append(entry)  # kept until it is admitted (it may not fit this step)
+                if seq not in seen:
+                    seen.add(seq)
+                    yield seq
+        finally:  # also when the scheduler stops the pass here (closing the generator)
+            for entry in later:
+                heapq.heappush(heap, entry)
 
     def _fair(self, now: float, seen: set[Sequence], limit: int) -> Iterator[Sequence]:
         vtc = dict(self._vtc)  # this step's picks count, so one step does not go to one tenant

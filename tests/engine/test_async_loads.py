@@ -4,7 +4,8 @@ On the CPU the copy is completed by hand (tests/adapters/test_h2d_copy.py's copi
 the reserved room until then); on CUDA a real side-stream copy is held back by a GPU sleep queued
 before it. Either way a decoding request keeps stepping while the load is in flight, the cold
 request runs only after the load has been committed, and every output equals the output of an
-engine with every adapter resident.
+engine with every adapter resident. With one slot and two loads wanted, neither evicts the other
+before a step was planned with it (else the adaptive policy's starved request never ran).
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ import torch
 from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 
 from loraplex import LLM, SamplingParams
-from loraplex.adapters.h2d_copy import AsyncLoads, StreamCopier
+from loraplex.adapters.h2d_copy import AsyncLoads, CopyEvent, StreamCopier
+from loraplex.config import EngineConfig, LoRAConfig, SchedulerConfig
 from loraplex.engine.engine import Engine
+from loraplex.engine.policies import AdaptivePolicy
+from loraplex.lora.weights import AdapterWeights
+from loraplex.types import AdapterRef
 
 SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -116,3 +121,82 @@ def test_async_load_on_cuda_keeps_decode_stepping(tmp_path: Path) -> None:
     assert elapsed >= 1.5 and latency >= 1.5, f"run {elapsed:.2f} s, load latency {latency:.2f} s"
     rev = e.residency.resident_revisions()
     assert len(rev) == 2 and e.tiers.stats()["loads"] == 1
+
+
+class _DoneCopier:
+    """A side-stream copy whose event has completed by the next `poll` (a short one on CUDA)."""
+
+    def copy(self, dst: AdapterWeights, src: AdapterWeights) -> CopyEvent:
+        from adapters.test_h2d_copy import ManualEvent
+
+        event = ManualEvent(dst, src)
+        event.complete()
+        return event
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("copies", ["side-stream", "synchronous"])
+def test_two_loads_for_one_slot_do_not_evict_each_other_before_a_step(tmp_path: Path, copies: str) -> None:
+    """One device slot, nothing running, the adaptive policy: u0 (tenant c, a2, an urgent
+    deadline, added once x0 is done) goes first and y0 (tenant b, a1, starved) next, where it
+    stops the admission pass while a1 is not ready. With side-stream copies, a1's copy was
+    committed in one poll and a2's placement evicted it in the same poll, then a2's was committed
+    and a1's placement evicted it: nothing ran again. Synchronously the same happened as long as a
+    request for an adapter not resident arrived before every step (its load placed after the one
+    asked for)."""
+    hf = build_hf_model("llama", seed=3)
+    model_dir = save_hf_model(hf, tmp_path / "base")
+    paths = [
+        make_peft_adapter(hf, tmp_path / f"a{i}", r=8, target_modules=["q_proj"], seed=70 + i)
+        for i in range(3)
+    ]
+    clock = _Clock()
+
+    def engine(device_bytes: int | None) -> tuple[Engine, list[AdapterRef]]:
+        sched = SchedulerConfig(
+            max_num_seqs=1,
+            max_num_batched_tokens=64,
+            policy="adaptive",
+            max_wait_ms=1000,
+            locality_window_ms=0,
+        )
+        lora = LoRAConfig(adapter_device_bytes=device_bytes)
+        llm = LLM.from_config(EngineConfig(model_dir=str(model_dir), scheduler=sched, lora=lora))
+        e = llm.engine
+        e.scheduler.clock = clock
+        assert isinstance(e.scheduler.policy, AdaptivePolicy)
+        e.scheduler.policy._clock = clock
+        return e, [llm.register_adapter(f"a{i}", p) for i, p in enumerate(paths)]
+
+    ref, _ = engine(None)
+    footprint = max(ref.tiers.pool.allocated_of(r) for r in ref.residency.resident_revisions())
+    e, refs = engine(footprint)
+    if copies == "side-stream":
+        e.tiers.copies = AsyncLoads(e.residency, _DoneCopier())
+    for revision in list(e.residency.resident_revisions()):
+        e.residency.evict(revision)  # start cold
+    e.add_request("x0", [5, 6, 7, 8], SHORT, "a0", tenant="a")
+    e.step()
+    e.add_request("y0", [14, 15, 16], SHORT, "a1", tenant="b")
+    clock.now = 2.0  # y0 has waited past max_wait_ms
+    while not e.output("x0").finished:
+        e.step()
+    e.add_request("u0", [17, 18], SHORT, "a2", tenant="c", deadline_s=0.05)
+    a0 = refs[0].revision
+    steps = 0
+    while not (e.output("u0").finished and e.output("y0").finished):
+        if copies == "synchronous":  # before every step, a request on an adapter not resident
+            adapter = "a2" if e.residency.is_resident(a0) else "a0"
+            e.add_request(f"z{steps}", [3, 4], SHORT, adapter, tenant="a")
+        e.step()
+        e.check_integrity()
+        steps += 1
+        assert steps <= 20, "no load survived until a step was planned with it"
+    while e.has_unfinished():
+        e.step()

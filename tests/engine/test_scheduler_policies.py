@@ -81,6 +81,24 @@ def test_priority_orders_a_tenants_requests_and_the_starvation_bound_overrides_i
     assert _next(sched) == "low"
 
 
+def test_a_deadline_stays_urgent_after_a_step_that_stopped_at_it() -> None:
+    clock = _Clock()
+    sched = _sched(clock)
+    r0 = _seq("r0", 0, tenant="b")
+    sched.add(r0)
+    sched.schedule()  # r0 prefills: tenant b has 8 rows of service
+    sched.add(_seq("c1", 1, tenant="c"))  # c starts level with b
+    r0.output_token_ids.append(1)
+    sched.schedule()  # r0 decodes: b 9, c 8
+    d = _seq("d", 2, tenant="b")
+    d.deadline = 1.0
+    sched.add(d)
+    clock.now = 0.95  # d's deadline is 50 ms away: urgent, ahead of fairness
+    assert not sched.schedule().chunks[1:]  # the only slot is r0's: the pass stops at d
+    sched.finish(r0)
+    assert _next(sched) == "d"  # (its deadline entry was dropped when the pass stopped: c1 went)
+
+
 def test_a_stray_adapter_waits_for_company_until_the_window_ends() -> None:
     clock = _Clock()
     config = SchedulerConfig(
