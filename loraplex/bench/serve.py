@@ -13,6 +13,7 @@ report states HTTP / in-process output tokens/s.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -35,6 +36,7 @@ BUSY_STEPS = 64
 # up to seconds. Inside the measured run that stall went into its wall time (more for the run with
 # more kernels, the one with adapters) and into the latency tail.
 BUSY_REQUESTS = 320
+_RUNS = itertools.count()  # numbers each run's own prefix-cache salt
 
 
 @dataclass
@@ -95,6 +97,12 @@ def run_in_process(
     # BUSY_STEPS steps or until three quarters are done (the profiler's event list grows with it).
     busy = BusyWindow()
     busy_from, busy_to = len(reqs) // 4, (3 * len(reqs)) // 4
+    # Each run its own prefix-cache salt unless the caller gives one: no run finds blocks that an
+    # earlier run on this engine left cached (the base-only run replays the prompts of the run with
+    # adapters, whose base-only requests it would hit; a budget sweep replays the workload again).
+    run_salt = replay.cache_salt if replay.cache_salt is not None else f"bench-serve-run-{next(_RUNS)}"
+    prefix = getattr(engine, "prefix_cache", None)
+    hits_before = prefix.stats.hit_tokens if prefix is not None else 0
     busy_steps = 0
     start = time.perf_counter()
     launched_at: float | None = None  # when the step in flight was launched
@@ -120,7 +128,7 @@ def run_in_process(
             arrival = now if concurrency is not None else (req.arrival_s or 0.0)
             tier = "base" if adapter is None else (tier_of(adapter) if tier_of is not None else None)
             t_add = time.perf_counter() - start
-            salt = replay.cache_salt(req) if callable(replay.cache_salt) else replay.cache_salt
+            salt = run_salt(req) if callable(run_salt) else run_salt
             engine.add_request(rid, prompt, params, adapter, cache_salt=salt)
             timing = RequestTiming(
                 req.index,
@@ -200,6 +208,7 @@ def run_in_process(
         wall = max(t.finish_s or 0.0 for t in done) - since
     summary = summarize(done, steps, wall, max_num_seqs=engine.config.scheduler.max_num_seqs)
     summary["gpu_busy"] = {"fraction": busy.fraction, "window_s": busy.window_s, "kernels": busy.kernels}
+    summary["prefix_cache_hit_tokens"] = (prefix.stats.hit_tokens - hits_before) if prefix is not None else 0
     return summary
 
 

@@ -154,6 +154,26 @@ def test_budget_sweep_restores_the_engines_budget() -> None:
     assert (engine.scheduler.token_budget, engine.scheduler.admission_batch_tokens) == before
 
 
+def test_each_run_starts_with_a_cold_prefix_cache() -> None:
+    """A run finds no blocks an earlier run on the same engine left cached (each its own salt),
+    unless the caller shares a salt across runs, as `bench prefix` does on purpose."""
+    from loraplex.bench.serve import Replay, run_in_process
+    from loraplex.bench.serve_model import build_engine
+
+    smoke = ServeBenchArgs.smoke_args()
+    spec = replace(smoke.workload, num_requests=8, prompt_len="uniform:34:44", output_len="uniform:4:8")
+    args = replace(smoke, workload=spec)
+    workload = generate(spec)
+    engine, names, _ = build_engine(args, workload)
+    runs = [run_in_process(engine, names, workload, base_only=True, progress=False) for _ in range(2)]
+    assert [r["prefix_cache_hit_tokens"] for r in runs] == [0, 0]
+    shared = [
+        run_in_process(engine, names, workload, True, progress=False, replay=Replay(cache_salt="shared"))
+        for _ in range(2)
+    ]
+    assert shared[0]["prefix_cache_hit_tokens"] == 0 and shared[1]["prefix_cache_hit_tokens"] >= 8 * 32
+
+
 def test_the_profiler_stays_out_of_measured_runs(monkeypatch) -> None:  # noqa: ANN001
     """Only `busy_of`'s replay of the first requests opens the GPU busy window: starting and
     stopping the profiler stalls every request in flight, so the measured runs never do."""
