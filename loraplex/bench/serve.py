@@ -93,8 +93,9 @@ def run_in_process(
     steps: list[StepRecord] = []
     what = "base-only" if base_only else "with adapters"
     bar = _progress(len(reqs), replay.label or f"bench serve ({what})", progress)
-    # GPU busy over a window of the steady part: from a quarter of the requests done, for at most
-    # BUSY_STEPS steps or until three quarters are done (the profiler's event list grows with it).
+    # With `profile`, GPU busy over a window of the steady part: from a quarter of the requests
+    # done, for at most BUSY_STEPS steps or until three quarters are done (the profiler's event
+    # list grows with it).
     busy = BusyWindow()
     busy_from, busy_to = len(reqs) // 4, (3 * len(reqs)) // 4
     # Each run its own prefix-cache salt unless the caller gives one: no run finds blocks that an

@@ -219,7 +219,8 @@ class PendingSample:
         self._host_tokens, self._host_lp = tokens, logprob_tensors
         self._copied: torch.cuda.Event | None = None
         if tokens.is_cuda:
-            self._host_tokens = _to_host(tokens)
+            if logprob_rows is None or len(logprob_rows) != n:  # else they come with the logprobs
+                self._host_tokens = _to_host(tokens)
             if logprob_tensors is not None:
                 self._host_lp = (_to_host(logprob_tensors[0]), _to_host(logprob_tensors[1]))
             self._copied = torch.cuda.Event()
