@@ -227,17 +227,28 @@ class LoRAConfig:
             raise ValueError(f"adapter_host_bytes must be >= 0, got {self.adapter_host_bytes}")
 
 
+# The default step token budget. Steps with prefill beside a full batch of decode rows: on an H200
+# (Llama-3-8B shape, 64 sequences; docs/bench.md, "Step token budget") the base GEMMs of 64 rows
+# are memory-bound, and from ~300 rows on compute-bound, where more prefill per step adds its full
+# compute and lengthens the steps every decoding request waits for. Budgets 256 / 320 / 384 gave
+# 0.576 / 0.589 / 0.596 of pure decode's output tokens/s; 512 and 2048 less (0.53-0.55, in runs
+# whose wall also held profiler stalls). Per sequence,
+# so that the prefill room grows with the completions a larger batch brings.
+DEFAULT_TOKENS_PER_SEQ = 6
+DEFAULT_MIN_STEP_TOKENS = 384
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decode rows)
+    # Token budget of one step (prefill chunks + decode rows); None: `step_token_budget`'s default.
+    max_num_batched_tokens: int | None = None
     # Admission batching: a step that would otherwise be pure decode admits new prompts only once
-    # their tokens add up to this many, or the oldest has waited `admission_max_wait_ms`. Where
-    # decode steps replay CUDA graphs and prefill steps run eagerly, an eager step costs several
-    # decode steps of host time whatever its size, so a few full prefill steps beat one per
-    # arrival. None: half the step token budget where decode steps replay CUDA graphs, else 0
-    # (every arrival admitted at once).
-    admission_batch_tokens: int | None = None
+    # their tokens add up to this many, or the oldest has waited `admission_max_wait_ms`. 0 (the
+    # default): every arrival is admitted at once. It paid while steps with prefill ran eagerly
+    # (a fixed host cost per step); they replay graphs now, and on the H200 it only delays first
+    # tokens (docs/bench.md).
+    admission_batch_tokens: int = 0
     admission_max_wait_ms: int = 50
     # Admission order, i.e. which prefills start (engine/policies.py): "fcfs" (arrival order) or
     # "adaptive" (tenant fairness, priority, deadlines, adapter locality, a starvation bound); the
@@ -259,6 +270,14 @@ class SchedulerConfig:
     tenant_weights: str = ""  # "a:3,b:1": shares of service when backlogged; others weigh 1
 
     @property
+    def step_token_budget(self) -> int:
+        """Rows one step may carry: `max_num_batched_tokens`, else DEFAULT_TOKENS_PER_SEQ rows per
+        sequence and at least DEFAULT_MIN_STEP_TOKENS."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(DEFAULT_MIN_STEP_TOKENS, DEFAULT_TOKENS_PER_SEQ * self.max_num_seqs)
+
+    @property
     def running_policy(self) -> str:
         """The decode-side policy in force: `decode_policy`, or `policy` when that is unset."""
         return self.decode_policy or self.policy
@@ -277,9 +296,9 @@ class SchedulerConfig:
         )
         if min(knobs) < 0 or self.locality_group < 1:
             raise ValueError("the adaptive policy's knobs must be >= 0 (locality_group >= 1)")
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+        if self.max_num_seqs <= 0 or self.step_token_budget <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.admission_batch_tokens is not None and self.admission_batch_tokens < 0:
+        if self.admission_batch_tokens < 0:
             raise ValueError("admission_batch_tokens must be >= 0 (0 admits every arrival at once)")
         if self.admission_max_wait_ms < 0:
             raise ValueError("admission_max_wait_ms must be >= 0")

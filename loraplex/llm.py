@@ -29,7 +29,7 @@ class LLM:
         seed: int = 0,
         max_lora_rank: int = 64,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_model_len: int | None = None,

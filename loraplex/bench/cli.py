@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     from loraplex.bench.serve import run
     from loraplex.bench.serve_model import ServeBenchArgs
     from loraplex.bench.workloads import WorkloadSpec
+    from loraplex.config import SchedulerConfig
 
     given = {f.name: getattr(args, f.name) for f in fields(WorkloadSpec) if getattr(args, f.name) is not None}
     try:
@@ -91,7 +92,9 @@ def _serve(args: argparse.Namespace) -> int:
             bench = replace(bench, poisson_factor=args.poisson_factor)
         if args.budget_sweep:
             bench = replace(bench, budget_sweep=tuple(int(x) for x in args.budget_sweep.split(",")))
-            most = bench.max_num_batched_tokens
+            most = SchedulerConfig(
+                max_num_seqs=bench.max_num_seqs, max_num_batched_tokens=bench.max_num_batched_tokens
+            ).step_token_budget
             if any(not 0 < b <= most for b in bench.budget_sweep):
                 raise ValueError(f"--budget-sweep budgets must be 1..{most} (--max-num-batched-tokens)")
     except ValueError as err:
@@ -156,7 +159,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--random-shape", choices=("llama3-8b", "tiny"), help="shape of --random-layers weights")
     s.add_argument("--workdir", help="where --hf-compare writes random weights as files (reused)")
     s.add_argument("--max-num-seqs", type=int, help="engine batch limit (default 64)")
-    s.add_argument("--max-num-batched-tokens", type=int, help="engine token budget per step (default 2048)")
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="engine token budget per step (default: 6 per sequence, at least 384)",
+    )
     s.add_argument(
         "--graph-max-tokens",
         type=int,

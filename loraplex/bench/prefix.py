@@ -354,7 +354,7 @@ def _model(engine: Any) -> dict[str, Any]:  # noqa: ANN401
         "dtype": engine.config.dtype,
         "block_size": engine.config.cache.block_size,
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
-        "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+        "max_num_batched_tokens": engine.config.scheduler.step_token_budget,
     }
 
 

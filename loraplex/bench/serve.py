@@ -258,6 +258,9 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
             "vocab_size": engine.model_config.vocab_size,
             "dtype": engine.config.dtype,
             "max_num_seqs": engine.config.scheduler.max_num_seqs,
+            # the settings in force (the args hold None where the engine's default applied)
+            "step_token_budget": engine.config.scheduler.step_token_budget,
+            "admission_batch_tokens": engine.config.scheduler.admission_batch_tokens,
         }
         report["adapters"] = run_in_process(engine, names, workload, base_only=False, progress=progress)
         if args.base_compare:

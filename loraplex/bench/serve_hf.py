@@ -6,7 +6,7 @@ output; padding and the tokens a batch generates past a shorter request's end do
 
 from __future__ import annotations
 
-import copy
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,19 +32,22 @@ def run_hf(
     from tqdm import tqdm
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    base = transformers.AutoModelForCausalLM.from_pretrained(
+    # on the device before the adapters go in, so that they load there (no host copy of the model)
+    base: Any = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, attn_implementation="sdpa"
     )
+    base = base.to(device)
+    pad = int(base.config.pad_token_id if base.config.pad_token_id is not None else 0)
     used = sorted({names[a] for a in adapters if a is not None})
     model: Any = base
     if used:
-        model = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dirs[used[0]], adapter_name=used[0])
+        model = PeftModel.from_pretrained(base, adapter_dirs[used[0]], adapter_name=used[0])
         for name in used[1:]:
             model.load_adapter(adapter_dirs[name], adapter_name=name)
     model = model.to(device).eval()
-    pad = int(base.config.pad_token_id if base.config.pad_token_id is not None else 0)
     bar = tqdm(total=len(prompts), desc="bench serve (transformers + PEFT)", unit="req", disable=not progress)
     start = time.perf_counter()
+    batches = -(-len(prompts) // batch)
     for lo in range(0, len(prompts), batch):
         rows = range(lo, min(lo + batch, len(prompts)))
         width = max(len(prompts[i]) for i in rows)
@@ -70,6 +73,13 @@ def run_hf(
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         bar.update(len(rows))
+        if not progress:  # a line a batch: a run cut short by a time limit still tells its pace
+            done = time.perf_counter() - start
+            print(
+                f"transformers + PEFT: batch {lo // batch + 1}/{batches} done, {done:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     bar.close()
     wall = time.perf_counter() - start
     output = sum(output_lens)

@@ -23,8 +23,8 @@ class ServeBenchArgs:
     random_shape: str = "llama3-8b"  # or "tiny" (a CPU-sized model of the same architecture)
     workdir: str = "bench-results/serve-checkpoint"  # random weights as files, for --hf-compare
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
     # engine settings worth comparing in one run (None: the engine's default)
+    max_num_batched_tokens: int | None = None
     graph_max_tokens: int | None = None  # rows of the largest step with prefill that replays a graph
     admission_batch_tokens: int | None = None
     dtype: str | None = None  # None: bfloat16 (random weights; a model directory's off the CPU), else float32
@@ -113,10 +113,10 @@ def build_engine(args: ServeBenchArgs, workload: Workload) -> tuple[Any, list[st
 
     spec = args.workload
     sched = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        admission_batch_tokens=args.admission_batch_tokens,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
     )
+    if args.admission_batch_tokens is not None:
+        sched = replace(sched, admission_batch_tokens=args.admission_batch_tokens)
     graphs = GraphConfig(cuda_graph_max_tokens=args.graph_max_tokens)
     if args.smoke or (args.model is None and args.random_layers is None):
         from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR

@@ -107,7 +107,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--policies", default="fcfs,fcfs-batched,adaptive", help="comma list (fcfs, fcfs-batched, adaptive)"
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, help="step token budget (default: the engine's)")
     p.add_argument("--kv-blocks", type=int, help="KV blocks of 16 tokens (default: no preemption)")
     p.add_argument("--device-slots", type=int, help="adapters resident at once (default: all, preloaded)")
     p.add_argument("--host-slots", type=int, help="adapters in host memory (default: all)")

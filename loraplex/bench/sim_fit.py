@@ -89,15 +89,17 @@ def load_runs(
         w = raw["workload"]
         names = {f for f in WorkloadRequest.__dataclass_fields__}
         reqs = [WorkloadRequest(**{k: v for k, v in r.items() if k in names}) for r in w["requests"]]
-        args = raw.get("args", {})
+        args, model = raw.get("args", {}), raw.get("model", {})
+        # The settings in force, as the report records them; results from before it did hold only
+        # the arguments, where None meant that engine's defaults: 2048 tokens a step, and admission
+        # batching on CUDA at half the budget (Policy's None), elsewhere off.
+        budget = model.get("step_token_budget") or args.get("max_num_batched_tokens") or 2048
         sim = SimConfig(
             max_num_seqs=int(args.get("max_num_seqs") or 64),
-            max_num_batched_tokens=int(args.get("max_num_batched_tokens") or 2048),
+            max_num_batched_tokens=int(budget),
             one_ahead=one_ahead,
         )
-        # Admission batching as the run set it (--admission-batch-tokens), else the engine's
-        # default there: on CUDA (graph-replayed decode) half the step budget, elsewhere off.
-        batch = args.get("admission_batch_tokens")
+        batch = model.get("admission_batch_tokens", args.get("admission_batch_tokens"))
         if batch is None and not str(args.get("device", "cuda")).startswith("cuda"):
             batch = 0
         policy = Policy("engine default", admission_batch_tokens=batch)

@@ -63,7 +63,7 @@ SchedulerBuild = Callable[
 @dataclass(frozen=True)
 class Policy:
     name: str
-    admission_batch_tokens: int | None = None  # None: half the step budget (the engine's CUDA default)
+    admission_batch_tokens: int | None = None  # None: half the step token budget
     admission_max_wait_ms: int = 50
     build: SchedulerBuild | None = None  # None: the Scheduler with the knobs above
     policy: str = "fcfs"  # the admission order (engine/policies.py)
@@ -79,16 +79,15 @@ class Policy:
         config = SchedulerConfig(
             max_num_seqs=sim.max_num_seqs,
             max_num_batched_tokens=sim.max_num_batched_tokens,
-            admission_batch_tokens=self.admission_batch_tokens,
             admission_max_wait_ms=self.admission_max_wait_ms,
             policy=self.policy,
         )
+        batch = self.admission_batch_tokens
+        batch = config.step_token_budget // 2 if batch is None else batch
         knobs: dict[str, Any] = dict(self.knobs)
-        config = dataclasses.replace(config, **knobs)
+        config = dataclasses.replace(config, admission_batch_tokens=batch, **knobs)
         if self.build is not None:
             return self.build(config, pool, sim.block_size, ready, clock)
-        batch = self.admission_batch_tokens
-        batch = sim.max_num_batched_tokens // 2 if batch is None else batch
         return Scheduler(config, pool, sim.block_size, ready, batch, clock=clock)
 
 
@@ -107,7 +106,7 @@ POLICIES: dict[str, Policy] = {
 @dataclass(frozen=True)
 class SimConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: the engine's default (`SchedulerConfig`)
     block_size: int = 16
     kv_blocks: int | None = None  # None: every running sequence fits at its longest (no preemption)
     graph_max_batch: int = 256  # pure decode steps of up to this many sequences replay a graph

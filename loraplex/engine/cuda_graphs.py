@@ -51,19 +51,9 @@ def graph_limits(config: EngineConfig) -> tuple[int, int]:
     """(most sequences of a step that replays a graph, most rows of a step with prefill chunks
     that does); 0 sequences: no graphs, 0 rows: decode steps only."""
     g, sc = config.graphs, config.scheduler
-    budget = sc.max_num_batched_tokens
+    budget = sc.step_token_budget
     max_tokens = budget if g.cuda_graph_max_tokens is None else min(g.cuda_graph_max_tokens, budget)
     return min(g.cuda_graph_max_batch, sc.max_num_seqs), max_tokens
-
-
-def admission_batch_tokens(config: EngineConfig) -> int:
-    """The configured admission batch, else half the step token budget where steps replay CUDA
-    graphs (measured when steps with prefill ran eagerly: docs/bench.md), else 0."""
-    sc = config.scheduler
-    if sc.admission_batch_tokens is not None:
-        return sc.admission_batch_tokens
-    graphs = config.device.startswith("cuda") and graph_limits(config)[0] > 0
-    return sc.max_num_batched_tokens // 2 if graphs else 0
 
 
 @dataclass(frozen=True)

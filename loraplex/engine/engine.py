@@ -32,7 +32,7 @@ from loraplex.adapters.residency import StepSlots
 from loraplex.adapters.tier_setup import build_tiers
 from loraplex.config import EngineConfig, ModelConfig
 from loraplex.engine.adapter_admission import AdapterAdmission
-from loraplex.engine.cuda_graphs import StaticStepRunner, admission_batch_tokens, graph_limits
+from loraplex.engine.cuda_graphs import StaticStepRunner, graph_limits
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.prompt_tokens import eos_token_ids, prompt_token_ids
 from loraplex.engine.sampler import Sampler
@@ -113,9 +113,14 @@ class Engine(StepPipeline):
         self.admission = AdapterAdmission(self.adapters, self.tiers, lambda: self.base)
         # The plan's slot map from residency; its slots stay pinned until `residency.end_step()`.
         self.slot_map: Callable[[StepPlan], StepSlots] = self.admission.slot_map
-        sc, batch_tokens = config.scheduler, admission_batch_tokens(config)
+        sc = config.scheduler
         self.scheduler = Scheduler(
-            sc, self.pool, block_size, self.admission.ready, batch_tokens, prefix=self.prefix_cache
+            sc,
+            self.pool,
+            block_size,
+            self.admission.ready,
+            sc.admission_batch_tokens,
+            prefix=self.prefix_cache,
         )
         self.scheduler.max_model_len = self.max_model_len
         if self.prefix_cache is not None:

@@ -82,9 +82,8 @@ class Scheduler:
         self.config = config
         # Seconds from any monotonic origin; the simulator (bench/simulate.py) passes a virtual one.
         self.clock = clock
-        # resolved by the engine when the config leaves it to the device (None)
-        self.admission_batch_tokens = admission_batch_tokens
-        self.token_budget = config.max_num_batched_tokens  # rows a step may plan (`set_step_budget`)
+        self.admission_batch_tokens = admission_batch_tokens  # the config's, or the simulator's policy's
+        self.token_budget = config.step_token_budget  # rows a step may plan (`set_step_budget`)
         self._admission_max_wait = config.admission_max_wait_ms / 1000
         # The adapter gate: a waiting sequence is admitted only once `ready(seq)` (its adapter is
         # device-resident); one that is not is passed over, not waited for, so it blocks nobody.
@@ -240,7 +239,7 @@ class Scheduler:
         `admission_batch_tokens` (0: admit at once). At most the configured budget, which the
         engine's buffers and CUDA graphs are sized for; `bench serve --budget-sweep` compares
         budgets on one engine this way."""
-        most = self.config.max_num_batched_tokens
+        most = self.config.step_token_budget
         if not 0 < tokens <= most:
             raise ValueError(f"a step budget must be 1..{most} (max_num_batched_tokens), got {tokens}")
         if admission_batch_tokens < 0:

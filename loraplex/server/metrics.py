@@ -198,7 +198,7 @@ class ServerMetrics(StepObserver):
 
     def _budget(self, engine: Engine) -> int:
         if not self._step_budget:
-            self._step_budget = engine.config.scheduler.max_num_batched_tokens
+            self._step_budget = engine.config.scheduler.step_token_budget
         return self._step_budget
 
     def _on_prefix_cache(self, engine: Engine) -> None:

@@ -102,7 +102,6 @@ def test_replay_reads_live_mapping_and_weights(tmp_path: Path, device: str) -> N
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixed_replay_reads_live_mapping(tmp_path: Path, device: str) -> None:
     e = _engine(tmp_path, device)
-    e.scheduler.admission_batch_tokens = 0  # admit the prompts at once (CUDA batches admissions)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i, name in enumerate(["a", "b", None, "c"]):
         e.add_request(f"r{i}", [3 + i, 9, 27, 4 + i, 11], params, name)

@@ -37,6 +37,19 @@ def test_token_budget_caps_a_step_and_chunks_the_last_prompt() -> None:
     assert st.sampled == ["a", "b", "c"] and len(c.output_token_ids) == 1
 
 
+def test_default_step_budget_is_per_sequence_and_admission_is_immediate() -> None:
+    assert SchedulerConfig().step_token_budget == 384  # 64 sequences; the floor
+    assert SchedulerConfig(max_num_seqs=4).step_token_budget == 384
+    assert SchedulerConfig(max_num_seqs=256).step_token_budget == 6 * 256
+    assert SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=300).step_token_budget == 300
+    assert SchedulerConfig().admission_batch_tokens == 0
+    config = SchedulerConfig(max_num_seqs=100)
+    sched = Scheduler(config, Stepper(num_blocks=16).sched.pool, BS)
+    assert sched.token_budget == 600
+    with pytest.raises(ValueError, match="1..600"):
+        sched.set_step_budget(601, 0)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_across_steps() -> None:
     st = Stepper(num_blocks=16, budget=8)
     seq = st.add("long", 20, max_tokens=3)

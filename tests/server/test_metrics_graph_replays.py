@@ -59,7 +59,7 @@ def test_graph_replays_counted_only_for_real_replays() -> None:
         warmup_s=1.5,
         tiers=_tiers(),
         prefix_cache=None,  # (the prefix-cache series have their own test)
-        config=SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=64)),  # the step budget
+        config=SimpleNamespace(scheduler=SimpleNamespace(step_token_budget=64)),  # the step budget
     )
     metrics.on_step(engine)
     metrics.on_step(engine)
