@@ -31,6 +31,7 @@ H200_RUNS = [RESULTS / "serve-h200-2026-12-02.json", RESULTS / "serve-h200-2026-
 # The engine an hour before, whose loop waited for the step it had just launched (so each step's
 # time in the results is the next step's), with seed-2 and Poisson runs beside its seed-1 ones.
 LOOKAHEAD_SYNC = RESULTS / "serve-h200-2026-12-01-lookahead-sync.json"
+BUDGET384 = RESULTS / "serve-h200-2026-12-02-budget384.json"  # the defaults since 2026-12-02
 SERIAL_RUN = RESULTS / "serve-h200-2026-12-01.json"  # engine.step(): eager steps with prefill
 SPEC = WorkloadSpec(
     seed=5,
@@ -178,6 +179,18 @@ def test_poisson_runs_held_back_from_a_closed_loop_fit() -> None:
         load_runs([LOOKAHEAD_SYNC], ["poisson-*"], timed_next=True),
         [f"{LOOKAHEAD_SYNC.stem}:poisson-19.40-req-s-{run}" for run in ("with-adapters", "base-only")],
     )
+
+
+def test_a_setting_no_fit_saw_is_predicted_by_the_default_costs() -> None:
+    # The default costs (fitted to H200_RUNS) against every run at the 384-token budget without
+    # admission batching, the settings read from the report (its args hold None for both).
+    runs = load_runs([BUDGET384], ["*"])
+    assert len(runs) == 6
+    assert {(r.sim.max_num_batched_tokens, r.policy.admission_batch_tokens) for r in runs} == {(384, 0)}
+    for row in check(runs, H200):
+        assert abs(row["ttft_p50_s"]["error"]) < 0.20, row["run"]
+        # the Poisson runs' TPOT the most (-14%): 31% more, smaller decode steps planned
+        assert abs(row["tpot_p50_s"]["error"]) < 0.15, row["run"]
 
 
 def _predicts_held_back(fitted: list[MeasuredRun], held_back: list[MeasuredRun], labels: list[str]) -> None:
