@@ -261,9 +261,13 @@ class SchedulerConfig:
     decode_policy: str | None = None
     displace_after_ms: int = 500
     # A request that would bring a new adapter into the step waits up to this long for
-    # same-adapter company, unless `locality_group` requests of its adapter already wait.
+    # same-adapter company, unless `locality_group` requests of its adapter already wait, or its
+    # adapter left the running set less than `locality_popular_ms` ago (a popular adapter between
+    # requests: holding those only moves its tail latency; in the simulator a 150 ms window
+    # without it gave the hot adapter 2.5x FCFS's P99 TTFT, docs/bench.md).
     locality_window_ms: int = 150
     locality_group: int = 2
+    locality_popular_ms: int = 500
     max_adapters_per_step: int = 0  # distinct adapters admitted into a step; 0: no cap beyond max_num_seqs
     max_wait_ms: int = 5000  # starvation bound: a request that waited this long is admitted first
     deadline_slack_ms: int = 100  # a deadline this close makes a request urgent (before fairness)
@@ -289,6 +293,7 @@ class SchedulerConfig:
             raise ValueError(f"decode_policy must be fcfs or adaptive, got {self.decode_policy!r}")
         knobs = (
             self.locality_window_ms,
+            self.locality_popular_ms,
             self.max_adapters_per_step,
             self.max_wait_ms,
             self.deadline_slack_ms,

@@ -99,8 +99,9 @@ class AdaptivePolicy:
        token counter: rows planned for it / its weight) goes next. Within a tenant, its oldest
        request if it waited `max_wait_ms` or more (the starvation bound), else the highest
        priority, then arrival. The locality window applies to the latter: a sequence whose adapter
-       is neither running nor already picked this step waits up to `locality_window_ms` for
-       same-adapter company (admitted at once when `locality_group` of its adapter wait), and no
+       is neither running nor already picked this step, nor ran within `locality_popular_ms` (or
+       the window, if longer), waits up to `locality_window_ms` for same-adapter company (admitted
+       at once when `locality_group` of its adapter wait), and no
        step admits a new adapter beyond `max_adapters_per_step` distinct ones.
 
     The starvation bound is per tenant because across tenants fairness is the bound: a tenant
@@ -120,6 +121,8 @@ class AdaptivePolicy:
         self._clock = clock
         self.window = config.locality_window_ms / 1000
         self.group = config.locality_group
+        # an adapter that ran this recently is popular, not a stray: its requests are never held
+        self.popular = max(config.locality_popular_ms / 1000, self.window)
         self.max_adapters = config.max_adapters_per_step or config.max_num_seqs
         self.max_wait = config.max_wait_ms / 1000
         self.slack = config.deadline_slack_ms / 1000
@@ -265,7 +268,7 @@ class AdaptivePolicy:
             return False  # an idle machine gains nothing by waiting (and would never wake up)
         if self._waiting_adapters[key] >= self.group:
             return False  # company is here: the group shares the segment it adds
-        if now - self._last_ran.get(key, -1e18) < self.window:
+        if now - self._last_ran.get(key, -1e18) < self.popular:
             return False  # it ran a moment ago: a popular adapter between requests, not a stray
         return len(step_adapters) >= self.max_adapters or now - seq.waiting_since < self.window
 

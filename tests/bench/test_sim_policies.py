@@ -16,13 +16,8 @@ from loraplex.config import SchedulerConfig
 PROMPTS, OUTPUTS = "uniform:128:512", "uniform:32:128"
 
 
-# The step budget these policies' thresholds were set at (the engine's default budget was 2048 then;
-# at today's default the locality window costs the hot adapter 7.7% TTFT, past this test's 5%).
-BUDGET = 2048
-
-
 def _run(work: Workload, policy: Policy, sim: SimConfig | None = None) -> tuple[SimRun, dict[str, Any]]:
-    run = simulate(work, policy, H200, sim or SimConfig(max_num_batched_tokens=BUDGET))
+    run = simulate(work, policy, H200, sim)
     return run, summarize(run, starvation_s=2.0)
 
 
@@ -86,25 +81,35 @@ def test_a_rarely_used_adapter_next_to_a_hot_one_meets_its_deadline() -> None:
 
 
 def test_the_locality_window_cuts_segments_per_step_without_hurting_the_hot_adapter() -> None:
-    # Zipf over 16 adapters (adapter 0, the hot class, takes ~30%); short outputs, so a 300 ms
-    # window is long next to a request's life and held requests of one adapter really share it.
+    # Zipf over 16 adapters (adapter 0, the hot class, takes ~30%); short outputs, so the hot
+    # adapter often has nothing running between its requests. The adaptive policy as configured
+    # by default (a 150 ms window; adapters that ran within 500 ms are popular, never held).
     spec = WorkloadSpec(
         seed=4, num_requests=4000, num_adapters=16, arrivals="poisson:60",
         prompt_len="uniform:64:256", output_len="uniform:4:16",
     )  # fmt: skip
     work = generate(spec)
-    window = dataclasses.replace(POLICIES["adaptive"], knobs=(("locality_window_ms", 300),))
-    _, adaptive = _run(work, window)
+    _, adaptive = _run(work, POLICIES["adaptive"])
     _, fcfs = _run(work, POLICIES["fcfs"])
-    assert adaptive["steps"]["segments_mean"] < 0.93 * fcfs["steps"]["segments_mean"], (adaptive, fcfs)
-    # equal within 5% (a hot request is held only in the rare gap when its adapter did not run)
-    hot, hot_fcfs = adaptive["by_popularity"]["hot"]["ttft_p99_s"], fcfs["by_popularity"]["hot"]["ttft_p99_s"]
-    assert hot <= 1.05 * hot_fcfs, (hot, hot_fcfs)
+    assert adaptive["steps"]["segments_mean"] < 0.96 * fcfs["steps"]["segments_mean"], (adaptive, fcfs)
+
+    def hot_p99(summary: dict[str, Any]) -> float:
+        return summary["by_popularity"]["hot"]["ttft_p99_s"]
+
+    assert hot_p99(adaptive) <= 1.05 * hot_p99(fcfs), (hot_p99(adaptive), hot_p99(fcfs))  # equal within 5%
     # what the window costs: cold requests wait up to it, never much longer
     assert (
         adaptive["by_popularity"]["cold"]["ttft_p99_s"]
-        < 0.3 + 2 * fcfs["by_popularity"]["cold"]["ttft_p99_s"]
+        < 0.15 + 2 * fcfs["by_popularity"]["cold"]["ttft_p99_s"]
     )
+    # Without the popularity rule (popular = the window) the hot adapter's requests are held in
+    # its gaps: more segments saved, at 2.5x FCFS's hot P99 TTFT.
+    strays_only = dataclasses.replace(
+        POLICIES["adaptive"], knobs=(("locality_window_ms", 150), ("locality_popular_ms", 0))
+    )
+    _, held = _run(work, strays_only)
+    assert held["steps"]["segments_mean"] < adaptive["steps"]["segments_mean"]
+    assert hot_p99(held) > 2 * hot_p99(fcfs)
 
 
 def test_no_request_starves_past_the_bound() -> None:
@@ -119,7 +124,7 @@ def test_no_request_starves_past_the_bound() -> None:
     gen = generate(spec)
     reqs = [dataclasses.replace(r, adapter=2 if r.tenant == "r" else r.index % 2) for r in gen.requests]
     work = Workload(spec, gen.adapter_ranks, reqs)
-    sim = SimConfig(max_num_batched_tokens=BUDGET, device_slots=2, host_slots=3)
+    sim = SimConfig(device_slots=2, host_slots=3)
     bound = dataclasses.replace(POLICIES["adaptive"], knobs=(("max_wait_ms", 2000),))
     # The bound, plus draining what runs (the longest output at the slowest steps) and a load.
     limit = 2.0 + 2.0
