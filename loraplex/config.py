@@ -229,11 +229,11 @@ class LoRAConfig:
 
 # The default step token budget. Steps with prefill beside a full batch of decode rows: on an H200
 # (Llama-3-8B shape, 64 sequences; docs/bench.md, "Step token budget") the base GEMMs of 64 rows
-# are memory-bound, and from ~300 rows on compute-bound, where more prefill per step adds its full
+# are memory-bound, and from ~200 rows on compute-bound, where more prefill per step adds its full
 # compute and lengthens the steps every decoding request waits for. Budgets 256 / 320 / 384 gave
 # 0.576 / 0.589 / 0.596 of pure decode's output tokens/s; 512 and 2048 less (0.53-0.55, in runs
-# whose wall also held profiler stalls). Per sequence,
-# so that the prefill room grows with the completions a larger batch brings.
+# whose wall also held profiler stalls). Per sequence, so that the prefill room grows with the
+# completions a larger batch brings; a lone long prompt on an idle engine pays for it in more steps.
 DEFAULT_TOKENS_PER_SEQ = 6
 DEFAULT_MIN_STEP_TOKENS = 384
 
