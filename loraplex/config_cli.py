@@ -21,6 +21,10 @@ _SECTIONS: dict[str, type[DataclassInstance]] = {
 }
 
 
+# What a None default means, where the flag's help would otherwise say only "derived".
+_DERIVED = {("scheduler", "max_num_batched_tokens"): "6 per --max-num-seqs, at least 384"}
+
+
 def _flag(section: str, name: str) -> str:
     # Unambiguous without a prefix except `lora.max_rank`, which users know as max-lora-rank.
     return "--max-lora-rank" if (section, name) == ("lora", "max_rank") else "--" + name.replace("_", "-")
@@ -49,7 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 metavar=f.name.upper(),
                 type=int if "int" in str(hints[f.name]) else str,
                 default=default,
-                help=f"{section} setting (default: {default if default is not None else 'derived'})",
+                help=f"{section} setting (default: "
+                f"{default if default is not None else _DERIVED.get((section, f.name), 'derived')})",
             )
 
 
