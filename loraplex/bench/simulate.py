@@ -207,6 +207,8 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
         return False
 
     sched = policy.scheduler(sim, pool, ready, lambda: now)
+    if isinstance(sched, Scheduler):  # the gate's side-effect-free twin (engine/slot_drain.py)
+        sched.resident = lambda seq: live[seq].adapter < 0 or residency.ready(live[seq].adapter)
     concurrency = Arrivals.parse(workload.spec.arrivals).concurrency
     pending: deque[WorkloadRequest] = deque(reqs)
     results: list[SimRequest] = []

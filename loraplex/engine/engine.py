@@ -123,6 +123,7 @@ class Engine(StepPipeline):
             prefix=self.prefix_cache,
         )
         self.scheduler.max_model_len = self.max_model_len
+        self.scheduler.resident = self._resident
         if self.prefix_cache is not None:
             self.admission.drop_cached = self.prefix_cache.drop_revision
         self.runner = ModelRunner(
@@ -283,9 +284,19 @@ class Engine(StepPipeline):
         if seq is not None and seq.is_finished:
             del self._seqs[request_id]
 
+    def _resident(self, seq: Sequence) -> bool:
+        """Whether the sequence's adapter is on the device now (starting no load)."""
+        return seq.adapter is None or self.residency.is_resident(seq.adapter.revision)
+
     def _demand(self) -> tuple[list[AdapterRef | None], list[AdapterRef | None]]:
-        """The adapters of the running and of the waiting sequences (for choosing victims)."""
-        return [s.adapter for s in self.scheduler.running], [s.adapter for s in self.scheduler.waiting]
+        """The adapters of the running and of the waiting sequences (for choosing victims). The
+        adapter drained for a starved sequence counts for its running sequences only: the queued
+        ones' protection would keep it resident, and the starved one's load without a slot."""
+        drained = self.scheduler.drain_target
+        waiting = [s.adapter for s in self.scheduler.waiting]
+        if drained is not None:
+            waiting = [a for a in waiting if a is None or a.revision != drained]
+        return [s.adapter for s in self.scheduler.running], waiting
 
     def check_integrity(self) -> None:
         """Assert the bookkeeping invariants: KV accounting with shared blocks (`kv/accounting.py`)

@@ -86,7 +86,8 @@ class FCFSPolicy:
         return iter(self.queue)
 
 
-def _adapter_key(seq: Sequence) -> str | None:
+def adapter_key(seq: Sequence) -> str | None:
+    """The adapter revision a sequence runs on (None: the base model)."""
     return None if seq.adapter is None else seq.adapter.revision
 
 
@@ -107,8 +108,8 @@ class AdaptivePolicy:
     The starvation bound is per tenant because across tenants fairness is the bound: a tenant
     asking more than its share waits for its own backlog, and making its old requests go first
     across tenants would hand a flood the whole machine again. A starved request whose adapter is
-    not ready blocks admissions behind it (`blocks`), so running work drains and frees the slot its
-    load needs; otherwise a stream of ready work could pass it over forever.
+    not ready (`blocks`) has the scheduler drain one running adapter to free a slot for its load
+    (engine/slot_drain.py); otherwise a stream of ready work could pass it over forever.
 
     Per step the work is bounded by the candidates looked at (`limit`) and the number of tenants,
     never the queue length: per-tenant heaps with lazy deletion, a deadline heap, an arrival-ordered
@@ -155,7 +156,7 @@ class AdaptivePolicy:
         )
         if seq.deadline is not None:
             heapq.heappush(self._deadlines, (seq.deadline, next(self._tick), seq))
-        key = _adapter_key(seq)
+        key = adapter_key(seq)
         if key is not None:
             self._waiting_adapters[key] += 1
 
@@ -170,18 +171,18 @@ class AdaptivePolicy:
     def _unqueue(self, seq: Sequence) -> None:
         del self._waiting[seq]
         del self._tenant_waiting[seq.tenant][seq]
-        key = _adapter_key(seq)
+        key = adapter_key(seq)
         if key is not None:
             self._waiting_adapters[key] -= 1
 
     def started(self, seq: Sequence) -> None:
-        key = _adapter_key(seq)
+        key = adapter_key(seq)
         if key is not None:
             self._running_adapters[key] += 1
 
     def stopped(self, seq: Sequence) -> None:
         """Left the running set: finished, aborted or preempted (then `push` follows)."""
-        key = _adapter_key(seq)
+        key = adapter_key(seq)
         if key is not None:
             self._running_adapters[key] -= 1
             self._last_ran[key] = self._clock()
@@ -248,7 +249,7 @@ class AdaptivePolicy:
                 looked += 1
                 if seq in seen:
                     continue
-                key = _adapter_key(seq)
+                key = adapter_key(seq)
                 if key is not None and key not in step_adapters and self._hold(seq, key, now, step_adapters):
                     continue
                 if key is not None:

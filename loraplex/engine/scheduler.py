@@ -5,7 +5,9 @@ running sequences first (in admission order; a decoding sequence asks for one ro
 still prefilling for its next chunk), then waiting sequences in the admission policy's order
 (engine/policies.py; FCFS: arrival order) while the token budget, the sequence limit and the KV
 pool allow. A waiting sequence that does not fit blocks the ones behind it; one whose adapter is
-still loading is passed over (unless the policy says it blocks: a starved one). When a running
+still loading is passed over, unless the policy says it is starved: then one running adapter is
+drained to make room for its load, and admissions that would take that room wait
+(engine/slot_drain.py). When a running
 sequence needs a block and none is free, the decode policy's victim (engine/decode_policies.py;
 FCFS: the latest admitted) is preempted: its blocks are freed and it goes back to the waiting
 queue, to be recomputed from its prompt and generated tokens. When every slot is taken, the decode
@@ -34,6 +36,7 @@ from loraplex.config import SchedulerConfig
 from loraplex.engine.decode_policies import DecodePolicy, make_decode_policy
 from loraplex.engine.policies import AdmissionPolicy, make_policy
 from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.slot_drain import SlotDrain
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.prefix_cache import PrefixCache
 
@@ -102,10 +105,20 @@ class Scheduler:
         # Each decoding sequence's `ScheduledChunk(seq, 1, True)`, made once and planned every step
         # it decodes (dropped when the sequence finishes).
         self._decode_chunks: dict[Sequence, ScheduledChunk] = {}
+        self._drain = SlotDrain()  # room being made for a starved sequence's adapter
+        # Whether a sequence's adapter is on the device, asking nothing (unlike `ready`, which
+        # starts its load); set by the engine. None: only the running set's adapters count.
+        self.resident: Callable[[Sequence], bool] | None = None
 
     @property
     def waiting(self) -> SeqView[Sequence]:
         return self.policy.waiting
+
+    @property
+    def drain_target(self) -> str | None:
+        """The adapter revision drained for a starved sequence (engine/slot_drain.py), if any: its
+        waiting sequences must not keep it resident, since its slot is the starved one's."""
+        return self._drain.target if self._drain.starved is not None else None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -186,10 +199,22 @@ class Scheduler:
         pass_over, skipped, cached_tokens = 4 * max_seqs, 0, 0
         displaced = False  # at most one displacement a step: the slots move over one at a time
         now = self.clock()
+        drain = self._drain
+        # A drain from an earlier step holds from the pass's start: its starved sequence asks for
+        # its adapter first, and nothing before it in the order takes the room it waits for.
+        draining = ready is not None and drain.begin(policy.waiting, running)
+        if draining:
+            assert ready is not None and drain.starved is not None
+            draining = not ready(drain.starved)
         candidates = policy.candidates(now, pass_over + max_seqs)
         for seq in candidates:
             if budget <= 0:
                 break
+            if draining and seq is not drain.starved and not drain.admits(seq, self.resident):
+                skipped += 1
+                if skipped >= pass_over:
+                    break
+                continue
             slot_of: Sequence | None = None
             if len(running) >= max_seqs:  # every slot taken: admitted only in a displaced one's place
                 slot_of = None if displaced else decode.displace(seq, running, now)
@@ -197,8 +222,11 @@ class Scheduler:
                     break
             if ready is not None and not ready(seq):
                 skipped += 1
-                if skipped >= pass_over or policy.blocks(seq, now):
+                if skipped >= pass_over:
                     break
+                if not draining and policy.blocks(seq, now):
+                    drain.start(seq, running)
+                    draining = True
                 continue
             # A waiting sequence holds no blocks and has nothing computed (new, or preempted).
             hits = prefix.lookup(seq) if prefix is not None else []

@@ -141,26 +141,22 @@ class _Clock:
         return self.now
 
 
-@pytest.mark.parametrize("copies", ["side-stream", "synchronous"])
-def test_two_loads_for_one_slot_do_not_evict_each_other_before_a_step(tmp_path: Path, copies: str) -> None:
-    """One device slot, nothing running, the adaptive policy: u0 (tenant c, a2, an urgent
-    deadline, added once x0 is done) goes first and y0 (tenant b, a1, starved) next, where it
-    stops the admission pass while a1 is not ready. With side-stream copies, a1's copy was
-    committed in one poll and a2's placement evicted it in the same poll, then a2's was committed
-    and a1's placement evicted it: nothing ran again. Synchronously the same happened as long as a
-    request for an adapter not resident arrived before every step (its load placed after the one
-    asked for)."""
+def _adaptive_llm(
+    tmp_path: Path, seed: int, clock: _Clock, max_num_seqs: int
+) -> Callable[[int | None], tuple[LLM, list[AdapterRef]]]:
+    """A tiny model with adapters a0..a2 (q_proj, r=8); returns a maker of LLMs over them on the
+    adaptive policy (starvation bound 1 s, no locality window) with this much adapter device room
+    (None: all), their clocks `clock`."""
     hf = build_hf_model("llama", seed=3)
     model_dir = save_hf_model(hf, tmp_path / "base")
     paths = [
-        make_peft_adapter(hf, tmp_path / f"a{i}", r=8, target_modules=["q_proj"], seed=70 + i)
+        make_peft_adapter(hf, tmp_path / f"a{i}", r=8, target_modules=["q_proj"], seed=seed + i)
         for i in range(3)
     ]
-    clock = _Clock()
 
-    def engine(device_bytes: int | None) -> tuple[Engine, list[AdapterRef]]:
+    def make(device_bytes: int | None) -> tuple[LLM, list[AdapterRef]]:
         sched = SchedulerConfig(
-            max_num_seqs=1,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=64,
             policy="adaptive",
             max_wait_ms=1000,
@@ -172,15 +168,35 @@ def test_two_loads_for_one_slot_do_not_evict_each_other_before_a_step(tmp_path: 
         e.scheduler.clock = clock
         assert isinstance(e.scheduler.policy, AdaptivePolicy)
         e.scheduler.policy._clock = clock
-        return e, [llm.register_adapter(f"a{i}", p) for i, p in enumerate(paths)]
+        return llm, [llm.register_adapter(f"a{i}", p) for i, p in enumerate(paths)]
 
-    ref, _ = engine(None)
-    footprint = max(ref.tiers.pool.allocated_of(r) for r in ref.residency.resident_revisions())
-    e, refs = engine(footprint)
+    return make
+
+
+def _cold_with_room(make: Callable[[int | None], tuple[LLM, list[AdapterRef]]], slots: int) -> LLM:
+    """An LLM from `make` with device room for `slots` of its adapters, none of them resident."""
+    ref, _ = make(None)
+    footprint = max(ref.engine.tiers.pool.allocated_of(r) for r in ref.engine.residency.resident_revisions())
+    llm, _ = make(slots * footprint)
+    for revision in list(llm.engine.residency.resident_revisions()):
+        llm.engine.residency.evict(revision)
+    return llm
+
+
+@pytest.mark.parametrize("copies", ["side-stream", "synchronous"])
+def test_two_loads_for_one_slot_do_not_evict_each_other_before_a_step(tmp_path: Path, copies: str) -> None:
+    """One device slot, nothing running, the adaptive policy: u0 (tenant c, a2, an urgent
+    deadline, added once x0 is done) goes first and y0 (tenant b, a1, starved) next, while a1 is
+    not ready. With side-stream copies, a1's copy was
+    committed in one poll and a2's placement evicted it in the same poll, then a2's was committed
+    and a1's placement evicted it: nothing ran again. Synchronously the same happened as long as a
+    request for an adapter not resident arrived before every step (its load placed after the one
+    asked for)."""
+    clock = _Clock()
+    llm = _cold_with_room(_adaptive_llm(tmp_path, 70, clock, max_num_seqs=1), 1)
+    e, refs = llm.engine, [llm.engine.adapters.resolve(f"a{i}").ref for i in range(3)]
     if copies == "side-stream":
         e.tiers.copies = AsyncLoads(e.residency, _DoneCopier())
-    for revision in list(e.residency.resident_revisions()):
-        e.residency.evict(revision)  # start cold
     e.add_request("x0", [5, 6, 7, 8], SHORT, "a0", tenant="a")
     e.step()
     e.add_request("y0", [14, 15, 16], SHORT, "a1", tenant="b")
@@ -200,3 +216,55 @@ def test_two_loads_for_one_slot_do_not_evict_each_other_before_a_step(tmp_path: 
         assert steps <= 20, "no load survived until a step was planned with it"
     while e.has_unfinished():
         e.step()
+
+
+def test_a_starved_request_drains_one_busy_adapter_while_the_other_keeps_admitting(tmp_path: Path) -> None:
+    """Two device slots, both kept busy by tenant h on a0 and a1 (four sequences run at most),
+    requests of each always queued;
+    tenant r's request on a2 passes the starvation bound. One of a0/a1 drains (its queued
+    requests do not keep it resident: their protection from eviction would keep the slot from
+    a2's load forever), while the other goes on admitting, so the batch never empties; then a2
+    loads into the drained slot and r's request runs. Its output equals a run of it alone."""
+    clock = _Clock()
+    make = _adaptive_llm(tmp_path, 90, clock, max_num_seqs=4)
+    alone, _ = make(None)
+    want = alone.generate([[21, 22, 23]], SHORT, ["a2"])[0].token_ids
+    e = _cold_with_room(make, 2).engine
+    count = 0
+    lengths = (9, 14, 19, 24)  # staggered, so each adapter's sequences finish at different steps
+
+    def keep_busy() -> None:  # three of a0's and three of a1's requests always waiting or running
+        nonlocal count
+        live = [s.adapter.revision for s in [*e.scheduler.running, *e.scheduler.waiting] if s.adapter]
+        for _ in range(3):
+            for name in ("a0", "a1"):
+                revision = e.adapters.resolve(name).ref.revision
+                if live.count(revision) < 3:
+                    params = SamplingParams(max_tokens=lengths[count % 4], temperature=0.0, ignore_eos=True)
+                    e.add_request(f"h{count}", [5, 6, 7, count % 50 + 8], params, name, tenant="h")
+                    live.append(revision)
+                    count += 1
+
+    keep_busy()
+    for _ in range(3):
+        e.step()
+        keep_busy()
+    e.add_request("r0", [21, 22, 23], SHORT, "a2", tenant="r")
+    e.step()
+    clock.now = 2.0  # r0 has waited past max_wait_ms
+    admitted_meanwhile, steps = set(), 0
+    running_before = {s.request_id for s in e.scheduler.running}
+    while "r0" not in {s.request_id for s in e.scheduler.running} and not e.output("r0").finished:
+        keep_busy()
+        e.step()
+        e.check_integrity()
+        running = {s.request_id for s in e.scheduler.running}
+        assert e.last_stats is not None and e.last_stats.num_rows > 0, "a step ran nothing meanwhile"
+        admitted_meanwhile |= running - running_before - {"r0"}
+        running_before = running
+        steps += 1
+        assert steps <= 2 * max(lengths), "r0 was never given a slot"
+    assert admitted_meanwhile, "nothing was admitted while one adapter drained"
+    while not e.output("r0").finished:
+        e.step()
+    assert e.output("r0").token_ids == want

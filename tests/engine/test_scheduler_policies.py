@@ -69,6 +69,45 @@ def test_the_least_served_tenant_goes_first_and_idle_time_banks_no_credit() -> N
     assert [_next(sched) for _ in range(4)] == ["a2", "b0", "a3", "b1"]
 
 
+def test_a_starved_sequence_drains_one_running_adapter_and_admissions_go_on() -> None:
+    # Two slots, both pinned: adapter "a" runs one sequence near its limit, "b" two far from it.
+    # "c" is not resident; once it has waited past the bound, "a" (the sooner free slot) takes
+    # no new sequences and no other load is asked for, while "b" and the base model are admitted.
+    clock = _Clock()
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, policy="adaptive", max_wait_ms=1000)
+    resident, asked = {"a-rev", "b-rev"}, []
+
+    def ready(seq: Sequence) -> bool:
+        asked.append(seq.request_id)
+        return seq.adapter is None or seq.adapter.revision in resident
+
+    sched = Scheduler(config, BlockPool(64), 16, ready, clock=clock)
+
+    def seq(rid: str, adapter: str | None, max_tokens: int, arrival: float) -> Sequence:
+        ref = None if adapter is None else AdapterRef(adapter, adapter + "-rev")
+        return Sequence(rid, [1] * 4, SamplingParams(max_tokens=max_tokens), ref, arrival)
+
+    for rid, adapter, max_tokens in (("a0", "a", 2), ("b0", "b", 50), ("b1", "b", 50)):
+        sched.add(seq(rid, adapter, max_tokens, 0.0))
+    sched.add(seq("c0", "c", 5, 0.1))
+    sched.schedule()  # a0, b0, b1 admitted; c0 passed over (its adapter loads)
+    assert [s.request_id for s in sched.running] == ["a0", "b0", "b1"]
+    clock.now = 1.5  # c0 has waited past the bound
+    for rid, adapter in (("a1", "a"), ("b2", "b"), ("base", None), ("d0", "d")):
+        sched.add(seq(rid, adapter, 5, 1.2))
+    asked.clear()
+    sched.schedule()
+    running = [s.request_id for s in sched.running]
+    assert "b2" in running and "base" in running  # admissions go on beside the drain
+    assert "a1" not in running and "d0" not in running
+    assert "d0" not in asked  # nobody else's load is started meanwhile
+    resident.add("c-rev")  # a0 drained, its slot took c's load: c0 is admitted, the drain ends
+    sched.finish(next(s for s in sched.running if s.request_id == "a0"))
+    sched.schedule()
+    running = [s.request_id for s in sched.running]
+    assert "c0" in running and "a1" in running
+
+
 def test_priority_orders_a_tenants_requests_and_the_starvation_bound_overrides_it() -> None:
     clock = _Clock()
     sched = _sched(clock, max_wait_ms=1000)
