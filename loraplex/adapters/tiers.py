@@ -86,6 +86,9 @@ class AdapterTiers:
         self.host = host
         self.policy = policy or EvictionPolicy()
         self.demand = demand
+        # (a starved request's revision, the revision drained to make room for it): the drained
+        # one's slot is that load's alone (engine/slot_drain.py); (None, None) when none is
+        self.reserved: Callable[[], tuple[str | None, str | None]] = lambda: (None, None)
         self.clock = clock
         self.copies = copies  # CUDA: side-stream copies in flight; None: placements copy at once
         # The disk tier: reads a revision's weights (any dtype, any device). None: adapters live
@@ -280,7 +283,8 @@ class AdapterTiers:
             # Fetched weights enter the host tier (unkept: the store has them), so the next eviction
             # of this revision costs no disk read.
             self._ready[revision] = self.host.put(revision, weights)
-        for revision in list(self._ready):
+        starved = self.reserved()[0]
+        for revision in sorted(self._ready, key=lambda r: r != starved):  # its load first
             if self._place(revision, self._ready[revision]):
                 del self._ready[revision]
 
@@ -337,6 +341,12 @@ class AdapterTiers:
         running, waiting = self.demand()
         refs = Counter(a.revision for a in running if a is not None)
         queued = Counter(a.revision for a in waiting if a is not None)
+        starved, drained = self.reserved()
+        if drained is not None:  # a victim for the starved load (its queued requests wait), else kept
+            if revision == starved:
+                queued.pop(drained, None)
+            else:
+                refs[drained] += 1
         now = self.clock()
         tenant = self._tenant.get(revision, "")
 

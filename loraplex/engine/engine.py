@@ -124,6 +124,7 @@ class Engine(StepPipeline):
         )
         self.scheduler.max_model_len = self.max_model_len
         self.scheduler.resident = self._resident
+        self.tiers.reserved = self.scheduler.drain_reservation
         if self.prefix_cache is not None:
             self.admission.drop_cached = self.prefix_cache.drop_revision
         self.runner = ModelRunner(
@@ -289,14 +290,8 @@ class Engine(StepPipeline):
         return seq.adapter is None or self.residency.is_resident(seq.adapter.revision)
 
     def _demand(self) -> tuple[list[AdapterRef | None], list[AdapterRef | None]]:
-        """The adapters of the running and of the waiting sequences (for choosing victims). The
-        adapter drained for a starved sequence counts for its running sequences only: the queued
-        ones' protection would keep it resident, and the starved one's load without a slot."""
-        drained = self.scheduler.drain_target
-        waiting = [s.adapter for s in self.scheduler.waiting]
-        if drained is not None:
-            waiting = [a for a in waiting if a is None or a.revision != drained]
-        return [s.adapter for s in self.scheduler.running], waiting
+        """The adapters of the running and of the waiting sequences (for choosing victims)."""
+        return [s.adapter for s in self.scheduler.running], [s.adapter for s in self.scheduler.waiting]
 
     def check_integrity(self) -> None:
         """Assert the bookkeeping invariants: KV accounting with shared blocks (`kv/accounting.py`)

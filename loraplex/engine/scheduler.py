@@ -114,11 +114,13 @@ class Scheduler:
     def waiting(self) -> SeqView[Sequence]:
         return self.policy.waiting
 
-    @property
-    def drain_target(self) -> str | None:
-        """The adapter revision drained for a starved sequence (engine/slot_drain.py), if any: its
-        waiting sequences must not keep it resident, since its slot is the starved one's."""
-        return self._drain.target if self._drain.starved is not None else None
+    def drain_reservation(self) -> tuple[str | None, str | None]:
+        """(the starved sequence's adapter revision, the revision drained for it), or (None, None):
+        the residency gives the drained slot to that load only (engine/slot_drain.py)."""
+        starved = self._drain.starved
+        if starved is None or starved.adapter is None or self._drain.target is None:
+            return None, None
+        return starved.adapter.revision, self._drain.target
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

@@ -9,7 +9,10 @@ kept until the starved sequence is admitted or leaves), and while the starved se
 admission pass:
 
 - admits nothing new on the target, so it drains and its slot comes free for the starved load;
-- asks no other sequence's adapter to load, so no one else takes the slot that comes free;
+- asks no other sequence's adapter to load, and the residency keeps the target's slot for the
+  starved load alone (`Scheduler.drain_reservation`, read by adapters/tiers.py: the target is a
+  victim for that load even while requests of its own queue, and for no other, such as a load
+  an arrival started), so no one else takes the slot that comes free;
 - goes on admitting sequences on the other resident adapters and on the base model, so the batch
   stays full meanwhile.
 

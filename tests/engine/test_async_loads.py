@@ -144,14 +144,14 @@ class _Clock:
 def _adaptive_llm(
     tmp_path: Path, seed: int, clock: _Clock, max_num_seqs: int
 ) -> Callable[[int | None], tuple[LLM, list[AdapterRef]]]:
-    """A tiny model with adapters a0..a2 (q_proj, r=8); returns a maker of LLMs over them on the
+    """A tiny model with adapters a0..a3 (q_proj, r=8); returns a maker of LLMs over them on the
     adaptive policy (starvation bound 1 s, no locality window) with this much adapter device room
     (None: all), their clocks `clock`."""
     hf = build_hf_model("llama", seed=3)
     model_dir = save_hf_model(hf, tmp_path / "base")
     paths = [
         make_peft_adapter(hf, tmp_path / f"a{i}", r=8, target_modules=["q_proj"], seed=seed + i)
-        for i in range(3)
+        for i in range(4)
     ]
 
     def make(device_bytes: int | None) -> tuple[LLM, list[AdapterRef]]:
@@ -224,7 +224,9 @@ def test_a_starved_request_drains_one_busy_adapter_while_the_other_keeps_admitti
     tenant r's request on a2 passes the starvation bound. One of a0/a1 drains (its queued
     requests do not keep it resident: their protection from eviction would keep the slot from
     a2's load forever), while the other goes on admitting, so the batch never empties; then a2
-    loads into the drained slot and r's request runs. Its output equals a run of it alone."""
+    loads into the drained slot and r's request runs. Requests on a3, not resident, arrive all
+    along and start their loads at once: none takes the drained slot first. r's output equals a
+    run of it alone."""
     clock = _Clock()
     make = _adaptive_llm(tmp_path, 90, clock, max_num_seqs=4)
     alone, _ = make(None)
@@ -256,6 +258,7 @@ def test_a_starved_request_drains_one_busy_adapter_while_the_other_keeps_admitti
     running_before = {s.request_id for s in e.scheduler.running}
     while "r0" not in {s.request_id for s in e.scheduler.running} and not e.output("r0").finished:
         keep_busy()
+        e.add_request(f"x{steps}", [9, 10, 11], SHORT, "a3", tenant="x")
         e.step()
         e.check_integrity()
         running = {s.request_id for s in e.scheduler.running}
@@ -265,6 +268,7 @@ def test_a_starved_request_drains_one_busy_adapter_while_the_other_keeps_admitti
         steps += 1
         assert steps <= 2 * max(lengths), "r0 was never given a slot"
     assert admitted_meanwhile, "nothing was admitted while one adapter drained"
+    assert not any(s.request_id.startswith("x") for s in e.scheduler.running)
     while not e.output("r0").finished:
         e.step()
     assert e.output("r0").token_ids == want
