@@ -60,6 +60,9 @@ SchedulerBuild = Callable[
 ]
 
 
+_SIM_REVISION = "sim-{}"  # the revision of simulated adapter k
+
+
 @dataclass(frozen=True)
 class Policy:
     name: str
@@ -190,7 +193,7 @@ def simulate(workload: Workload, policy: Policy, cost: StepCost, sim: SimConfig 
         preload=range(n_adapters) if sim.device_slots is None else (),
     )
     all_resident = slots >= n_adapters and sim.device_slots is None
-    refs = [AdapterRef(f"adapter-{k}", f"sim-{k}") for k in range(n_adapters)]
+    refs = [AdapterRef(f"adapter-{k}", _SIM_REVISION.format(k)) for k in range(n_adapters)]
     live: dict[Sequence, _Live] = {}
     now = 0.0
 
@@ -339,7 +342,7 @@ def _start_loads(
         return
     in_use = {live[s].adapter for s in sched.running}
     for a in head:
-        if a >= 0 and not residency.ready(a) and not residency.request(a, now, in_use):
+        if a >= 0 and not residency.ready(a) and not residency.request(a, now, _kept(sched, in_use, a)):
             return  # every slot is in use: nothing more can start before a step ends
         in_use.add(a)
 
@@ -351,9 +354,20 @@ def _load_asked(
     and those asked earlier, are never evicted for them."""
     in_use = {live[s].adapter for s in sched.running}
     for a in asked:
-        if not residency.request(a, now, in_use):
+        if not residency.request(a, now, _kept(sched, in_use, a)):
             return
         in_use.add(a)
+
+
+def _kept(sched: SimScheduler, in_use: set[int], adapter: int) -> set[int]:
+    """The adapters a load of `adapter` may not evict: `in_use`, and the one drained for a starved
+    sequence unless the load is that sequence's (`Scheduler.drain_reservation`, as the engine's
+    tiers keep it)."""
+    reservation = getattr(sched, "drain_reservation", None)
+    starved, drained = reservation() if reservation is not None else (None, None)
+    if drained is None or starved == _SIM_REVISION.format(adapter):
+        return in_use
+    return in_use | {int(drained.removeprefix("sim-"))}
 
 
 def _idle_until(
