@@ -29,9 +29,11 @@ from loraplex.lora.graph_inputs import SEGMENT_ROWS, LoRAGraphInputs
 from loraplex.lora.weights import LoRASlotTable
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-# token buckets of mixed steps: (step, up to): 64-row steps up to 512 rows, then coarser; a step
-# of R rows pads to at most ~12% more (compute-bound there), less where it is memory-bound
-_TOKEN_STEPS = ((64, 512), (128, 1024), (256, 2048), (512, 4096), (1024, 1 << 30))
+# token buckets of mixed steps: (step, up to): 64-row steps up to 384 rows, then coarser; a step
+# of R rows pads to at most ~33% more (385 -> 512; compute-bound there), less where it is
+# memory-bound. No 448-row bucket: at Llama-3-8B shapes on the H200, cuBLAS and cuBLASLt both
+# pick slow kernels for 448 rows (a layer stack's GEMMs 13.8 ms, 10.8 ms at 512; docs/bench.md).
+_TOKEN_STEPS = ((64, 384), (128, 1024), (256, 2048), (512, 4096), (1024, 1 << 30))
 TILE_CODE_SEQ = 65536  # prefill tile map entry: sequence * 65536 + tile
 MIN_MIXED_SEGMENTS = 16  # smallest LoRA segment capacity of a mixed shape: fewer graphs per bucket
 

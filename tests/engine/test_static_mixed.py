@@ -73,8 +73,8 @@ def _requests(seed: int) -> list[tuple[str, list[int], str | None, SamplingParam
 
 
 def test_token_buckets() -> None:
-    ns = (1, 64, 65, 512, 513, 1025, 2000)
-    assert [token_bucket(n, 2048) for n in ns] == [64, 64, 128, 512, 640, 1280, 2048]
+    ns = (1, 64, 65, 384, 385, 448, 512, 513, 1025, 2000)
+    assert [token_bucket(n, 2048) for n in ns] == [64, 64, 128, 384, 512, 512, 512, 640, 1280, 2048]
     assert token_bucket(0, 64) is None and token_bucket(161, 160) is None
     assert token_buckets(160) == [64, 128, 160]  # the configured maximum caps the last bucket
 
