@@ -7,12 +7,12 @@ still prefilling for its next chunk), then waiting sequences in the admission po
 pool allow. A waiting sequence that does not fit blocks the ones behind it; one whose adapter is
 still loading is passed over, unless the policy says it is starved: then one running adapter is
 drained to make room for its load, and admissions that would take that room wait
-(engine/slot_drain.py). When a running
-sequence needs a block and none is free, the decode policy's victim (engine/decode_policies.py;
-FCFS: the latest admitted) is preempted: its blocks are freed and it goes back to the waiting
-queue, to be recomputed from its prompt and generated tokens. When every slot is taken, the decode
-policy may name a running sequence that an admission displaces (preempted the same way; FCFS never
-does, the adaptive policy for a tenant under its share).
+(engine/slot_drain.py). When a running sequence needs a block and none is free, the decode
+policy's victim (engine/decode_policies.py; FCFS: the latest admitted) is preempted: its blocks
+are freed and it goes back to the waiting queue, to be recomputed from its prompt and generated
+tokens. When every slot is taken, the decode policy may name a running sequence that an
+admission displaces (preempted the same way; FCFS never does, the adaptive policy for a tenant
+under its share).
 
 With a prefix cache (`kv/prefix_cache.py`), a waiting sequence is admitted from the longest run of
 cached blocks that starts its tokens: those are held, not allocated, and not computed again.
