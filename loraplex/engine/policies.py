@@ -36,6 +36,7 @@ class AdmissionPolicy(Protocol):
     def take(self, seq: Sequence) -> None: ...
     def candidates(self, now: float, limit: int) -> Iterator[Sequence]: ...
     def blocks(self, seq: Sequence, now: float) -> bool: ...
+    def urgent(self, seq: Sequence, now: float) -> bool: ...
     def started(self, seq: Sequence) -> None: ...
     def stopped(self, seq: Sequence) -> None: ...
     def charge(self, seq: Sequence, rows: int) -> None: ...
@@ -69,6 +70,9 @@ class FCFSPolicy:
 
     def blocks(self, seq: Sequence, now: float) -> bool:
         return False  # one whose adapter is loading is passed over
+
+    def urgent(self, seq: Sequence, now: float) -> bool:
+        return False
 
     def started(self, seq: Sequence) -> None:
         pass
@@ -192,7 +196,12 @@ class AdaptivePolicy:
         self._vtc[seq.tenant] += rows / self.weights.get(seq.tenant, 1.0)
 
     def blocks(self, seq: Sequence, now: float) -> bool:
-        return now - seq.waiting_since >= self.max_wait
+        """Whether room is to be made for it when its adapter is not resident: starved, or urgent."""
+        return now - seq.waiting_since >= self.max_wait or self.urgent(seq, now)
+
+    def urgent(self, seq: Sequence, now: float) -> bool:
+        """Its TTFT deadline is less than `deadline_slack_ms` away (it goes before fairness)."""
+        return seq.deadline is not None and seq.deadline - now <= self.slack
 
     def __len__(self) -> int:
         return len(self._waiting)

@@ -212,7 +212,12 @@ class Scheduler:
         for seq in candidates:
             if budget <= 0:
                 break
-            if draining and seq is not drain.starved and not drain.admits(seq, self.resident):
+            if (
+                draining
+                and seq is not drain.starved
+                and not drain.admits(seq, self.resident)
+                and not policy.urgent(seq, now)  # a deadline goes before a drain: it may take it over
+            ):
                 skipped += 1
                 if skipped >= pass_over:
                     break
@@ -226,9 +231,11 @@ class Scheduler:
                 skipped += 1
                 if skipped >= pass_over:
                     break
-                if not draining and policy.blocks(seq, now):
-                    drain.start(seq, running)
-                    draining = True
+                if policy.blocks(seq, now):  # room for it: starved, or urgent (then it goes first)
+                    current = drain.starved if draining else None
+                    if current is None or (policy.urgent(seq, now) and not policy.urgent(current, now)):
+                        drain.start(seq, running)
+                        draining = True
                 continue
             # A waiting sequence holds no blocks and has nothing computed (new, or preempted).
             hits = prefix.lookup(seq) if prefix is not None else []

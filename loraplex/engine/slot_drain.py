@@ -16,6 +16,10 @@ admission pass:
 - goes on admitting sequences on the other resident adapters and on the base model, so the batch
   stays full meanwhile.
 
+An urgent sequence (its TTFT deadline within `deadline_slack_ms`, engine/policies.py) is never held
+back by a drain, and one whose adapter is not resident gets a drain of its own, taking over one
+made for a starved sequence: the policy ranks deadlines before the starvation bound.
+
 The earlier rule stopped every admission behind the starved sequence until a slot came free. That
 emptied the batch while it drained, and under overload with few slots the starved sequences'
 drains followed one another. In the simulator (32 adapters on 8 device slots, Poisson 25/s), the

@@ -108,6 +108,41 @@ def test_a_starved_sequence_drains_one_running_adapter_and_admissions_go_on() ->
     assert "c0" in running and "a1" in running
 
 
+def test_an_urgent_request_takes_a_drain_over() -> None:
+    # As above, c0 starved and adapter "a" draining for it; then u0 arrives on "d" (not resident)
+    # with a TTFT deadline inside the slack: deadlines go before the starvation bound, so the
+    # drain is made for u0 now (its load asked for, the drained slot reserved for it).
+    clock = _Clock()
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, policy="adaptive", max_wait_ms=1000, deadline_slack_ms=100
+    )
+    asked: list[str] = []
+
+    def ready(seq: Sequence) -> bool:
+        asked.append(seq.request_id)
+        return seq.adapter is None or seq.adapter.revision in {"a-rev", "b-rev"}
+
+    sched = Scheduler(config, BlockPool(64), 16, ready, clock=clock)
+
+    def seq(rid: str, adapter: str, max_tokens: int, deadline: float | None = None) -> Sequence:
+        ref = AdapterRef(adapter, adapter + "-rev")
+        s = Sequence(rid, [1] * 4, SamplingParams(max_tokens=max_tokens), ref, 0.0)
+        s.deadline = deadline
+        return s
+
+    for rid, adapter, max_tokens in (("a0", "a", 2), ("b0", "b", 50)):
+        sched.add(seq(rid, adapter, max_tokens))
+    sched.add(seq("c0", "c", 5))
+    sched.schedule()
+    clock.now = 1.5
+    sched.schedule()  # c0 starved: the drain is for it
+    assert sched.drain_reservation() == ("c-rev", "a-rev")
+    sched.add(seq("u0", "d", 5, deadline=1.55))
+    asked.clear()
+    sched.schedule()
+    assert "u0" in asked and sched.drain_reservation() == ("d-rev", "a-rev")
+
+
 def test_priority_orders_a_tenants_requests_and_the_starvation_bound_overrides_it() -> None:
     clock = _Clock()
     sched = _sched(clock, max_wait_ms=1000)
