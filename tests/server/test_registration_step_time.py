@@ -24,9 +24,10 @@ def test_step_time_while_large_adapters_register(tmp_path: Path) -> None:
     assert len(busy) == 5 and all(p.steps >= 10 for p in busy), report.phases  # it keeps stepping
     assert len(report.registrations) == 15
     summary = report.summary()
-    # the median over five interleaved quiet/busy pairs: one pair disturbed by other work on the
-    # machine does not decide it
-    assert summary["ratio"] <= 1.5, (summary, report.phases)
+    # the median over five interleaved quiet/busy pairs, each busy phase against the quiet one
+    # before it: one pair disturbed by other work on the machine does not decide it, and the
+    # machine's own drifts in speed (this shared VM's quiet phases alone vary 2.3-4.6 ms) cancel
+    assert summary["pair_ratio_median"] <= 1.5, (summary, report.phases)
     written = json.loads((tmp_path / "registration.json").read_text())
     assert written["summary"]["ratio"] == summary["ratio"]
     assert "ratio" in (tmp_path / "registration.md").read_text()
