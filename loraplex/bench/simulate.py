@@ -367,7 +367,7 @@ def _kept(sched: SimScheduler, in_use: set[int], adapter: int) -> set[int]:
     starved, drained = reservation() if reservation is not None else (None, None)
     if drained is None or starved == _SIM_REVISION.format(adapter):
         return in_use
-    return in_use | {int(drained.removeprefix("sim-"))}
+    return in_use | {int(drained.removeprefix(_SIM_REVISION.format("")))}
 
 
 def _idle_until(
