@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 GATE = 1.5
+_PHASES = ("to_copy_queued_s", "start_returned_s", "tables_synced_s", "committed_s", "copy_gpu_s")
 
 
 class _Done:
@@ -123,9 +124,24 @@ def run(
     copier = ImmediateCopier()
     loads = build_async_loads(residency, dev) or AsyncLoads(residency, copier)
     bandwidth = bandwidth_mib * (1 << 20) / h2d_seconds(dev, bandwidth_mib << 20, repeats)
+    # Where a load's time goes: host timestamps of its phases, and on CUDA the copy's own GPU time
+    # (an event the side stream records just before the copy, to the load's completion event).
+    marks: dict[str, float] = {}
+    copy_start: Any = None
+    stream_copier = getattr(loads.copier, "stream", None) is not None
+    if stream_copier:
+
+        def before_copy() -> None:
+            nonlocal copy_start
+            marks["queued"] = time.perf_counter()
+            copy_start = torch.cuda.Event(enable_timing=True)
+            copy_start.record()  # on the side stream: the copier calls this inside its stream
+
+        loads.copier.before_copy = before_copy  # type: ignore[attr-defined]
     per_rank = []
     for rank, packed in adapters.items():
         times, host_times = [], []
+        phases: dict[str, list[float]] = {k: [] for k in _PHASES}
         previous = None
         for i in range(repeats + 1):
             revision = f"r{rank}-{i}"
@@ -134,8 +150,14 @@ def run(
             _sync(dev)
             t0 = time.perf_counter()
             loads.start(revision, packed)
+            t_started = time.perf_counter()
+            copy_end = None
+            if stream_copier:  # queued behind the copy on the side stream: GPU time at its end
+                copy_end = torch.cuda.Event(enable_timing=True)
+                copy_end.record(loads.copier.stream)  # type: ignore[attr-defined]
             tables.sync(table)
-            host_s = time.perf_counter() - t0 - copier.seconds
+            t_synced = time.perf_counter()
+            host_s = t_synced - t0 - copier.seconds
             while True:
                 t1 = time.perf_counter()
                 done = loads.finished()
@@ -143,12 +165,20 @@ def run(
                     tables.sync(table)
                     host_s += time.perf_counter() - t1
                     break
+            t_committed = time.perf_counter()
             _sync(dev)
             t2 = time.perf_counter()
             assert done == [revision], done
             if i:  # the first one warms the side stream and the copy path
                 times.append(t2 - t0)
                 host_times.append(host_s)
+                if stream_copier:
+                    phases["to_copy_queued_s"].append(marks["queued"] - t0)
+                phases["start_returned_s"].append(t_started - t0)
+                phases["tables_synced_s"].append(t_synced - t0)
+                phases["committed_s"].append(t_committed - t0)
+                if copy_start is not None and copy_end is not None:
+                    phases["copy_gpu_s"].append(copy_start.elapsed_time(copy_end) * 1e-3)
             previous = revision
         if previous is not None:
             residency.evict(previous)
@@ -162,6 +192,10 @@ def run(
                 "load_max_s": max(times),
                 "host_median_s": statistics.median(host_times),
                 "host_max_s": max(host_times),
+                # medians of the phases: time from the load request until the copy was queued, start()
+                # returned, the tables were synced, the load was committed (and tables re-synced);
+                # and the copy's own GPU time (CUDA)
+                "phases_median_s": {k: statistics.median(v) for k, v in phases.items() if v},
                 "same_bytes_pinned_copy_s": h2d_seconds(dev, nbytes, repeats),
                 "copy_bound_s": bound,
                 "ratio": statistics.median(times) / bound,

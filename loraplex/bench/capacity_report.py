@@ -106,6 +106,17 @@ def load_markdown(report: dict[str, Any]) -> str:
             f"| {_ms(r['load_max_s'], 2)} | {_ms(r.get('host_median_s'), 3)} | {_ms(r['copy_bound_s'], 2)} "
             f"| {r['ratio']:.2f} |"
         )
+    phased = [r for r in report["per_rank"] if r.get("phases_median_s")]
+    if phased:
+        lines += ["", "Where a load's time goes (medians, ms from the load request; copy: its GPU time):", ""]
+        for r in phased:
+            lines.append(
+                f"- r={r['rank']}: "
+                + ", ".join(
+                    f"{k.removesuffix('_s').replace('_', ' ')} {v * 1e3:.3f}"
+                    for k, v in r["phases_median_s"].items()
+                )
+            )
     return "\n".join([*lines, ""])
 
 

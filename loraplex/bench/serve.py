@@ -274,6 +274,11 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
                 report["ratios"]["base_only_vs_full_batch_decode"] = (
                     report["base_only"]["output_tokens_per_s"] / decode
                 )
+                steady = report["base_only"]["steady"]
+                if steady is not None:  # the same over the steady part (serve_metrics.steady_window)
+                    report["ratios"]["base_only_vs_full_batch_decode_steady"] = (
+                        steady["output_tokens_per_s"] / decode
+                    )
         if str(engine.config.device).startswith("cuda"):  # after the measured runs: stalls nobody timed
             for name, base_only in (("adapters", False), ("base_only", True)):
                 if name in report:

@@ -103,6 +103,24 @@ def _latencies(timings: list[RequestTiming]) -> dict[str, Any]:
     }
 
 
+def steady_window(timings: list[RequestTiming], steps: list[StepRecord]) -> dict[str, Any] | None:
+    """Output tokens/s over the run's steady part: from when a quarter of the requests have
+    finished to the last arrival. A finite run starts with every closed-loop slot's prompt at once
+    and ends draining a batch nobody refills; the whole-run rate holds both, this one neither.
+    Tokens counted: the decode rows of the steps launched in the window plus the first tokens
+    sampled in it. None when the window is empty (too few requests, or no step records)."""
+    finished = sorted(t.finish_s for t in timings if t.finish_s is not None)
+    if not finished or not steps:
+        return None
+    lo = finished[len(finished) // 4]
+    hi = max(t.arrival_s for t in timings)
+    if hi <= lo:
+        return None
+    tokens = sum(s.decode_rows for s in steps if lo <= s.start_s < hi)
+    tokens += sum(1 for t in timings if t.first_token_s is not None and lo <= t.first_token_s < hi)
+    return {"from_s": lo, "to_s": hi, "output_tokens": tokens, "output_tokens_per_s": tokens / (hi - lo)}
+
+
 def summarize(
     timings: list[RequestTiming], steps: list[StepRecord], wall_s: float, max_num_seqs: int
 ) -> dict[str, Any]:
@@ -132,6 +150,7 @@ def summarize(
         "wall_s": wall_s,
         "output_tokens": output,
         "output_tokens_per_s": output / wall_s if wall_s > 0 else 0.0,
+        "steady": steady_window(timings, steps),
         "requests_per_s": len(timings) / wall_s if wall_s > 0 else 0.0,
         "latency": _latencies(timings),
         "by_popularity": {k: _latencies(v) for k, v in sorted(by_class.items())},

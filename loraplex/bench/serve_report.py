@@ -67,6 +67,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{full['count']} full decode steps): "
             f"{ratios['base_only_vs_full_batch_decode']:.3f}"
         ]
+    if "base_only_vs_full_batch_decode_steady" in ratios:
+        st = report["base_only"]["steady"]
+        lines += [
+            f"the same over the steady part ({st['from_s']:.1f}-{st['to_s']:.1f} s: from a quarter of the "
+            f"requests done to the last arrival, {st['output_tokens_per_s']:.1f} tok/s): "
+            f"{ratios['base_only_vs_full_batch_decode_steady']:.3f}"
+        ]
     if "output_tokens_per_s_http_vs_in_process" in ratios:
         lines += [
             "output tokens/s over HTTP (streaming, the bench's own server process) / in-process: "

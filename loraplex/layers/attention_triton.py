@@ -327,6 +327,17 @@ def paged_attention_triton(
     for_loop = q.device.type == "cuda"
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     table = meta.block_table
+    # A mixed step's decode rows (memory-bound) and prefill chunks (compute-bound, too few programs
+    # to fill the GPU alone) write disjoint rows: the prefill launch goes on a side stream forked
+    # from and joined back into the current one, so the two overlap, in a captured graph as two
+    # branches. The join comes before anything else reads `out`.
+    side = _side_stream(q.device) if meta.num_decode_seqs and meta.max_query_len > 1 else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
+    if meta.max_query_len > 1:
+        with torch.cuda.stream(side):  # (None: the current stream)
+            _launch_prefill(q, k_cache, v_cache, out, meta, cache_strides, qk_scale, window, group,
+                            d_pad, bs, prec, for_loop, tiling)  # fmt: skip
     if meta.num_decode_seqs:
         keys = min(meta.max_context_len, window)
         block_n = tiling.decode_block_n
@@ -349,20 +360,57 @@ def paged_attention_triton(
                 out, part_acc, part_ml, meta.query_start_t, out.stride(0), out.stride(1),
                 HQ=n_q, D=head_dim, D_PAD=d_pad, SPLITS=splits,
             )  # fmt: skip
-    if meta.max_query_len > 1:
-        block_m = tiling.prefill_block_m
-        tiles = meta.prefill_tiles
-        if tiles is not None:
-            assert meta.prefill_tile_rows == block_m, "the step's tile map was cut for other tiles"
-            grid = (tiles.shape[0], 1, n_q)
-        else:
-            tiles = meta.query_start_t  # unread
-            grid = (n_seq, _cdiv(meta.max_query_len, block_m), n_q)
-        prefill_kernel[grid](
-            q, k_cache, v_cache, out, table, meta.context_lens_t, meta.query_start_t, tiles,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, table.stride(0),
-            qk_scale, window,
-            GROUP=group, D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=tiling.prefill_block_n,
-            PREC=prec, FOR_LOOP=for_loop, TILE_MAP=meta.prefill_tiles is not None, num_warps=tiling.num_warps,
-        )  # fmt: skip
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return out
+
+
+def _launch_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    cache_strides: tuple[int, int, int],
+    qk_scale: float,
+    window: int,
+    group: int,
+    d_pad: int,
+    bs: int,
+    prec: str,
+    for_loop: bool,
+    tiling: AttentionTiling,
+) -> None:
+    """The prefill launch: every sequence with >= 2 query rows (by the step's tile map when the
+    step was captured)."""
+    table = meta.block_table
+    assert table is not None
+    n_q, head_dim = q.shape[1], q.shape[2]
+    block_m = tiling.prefill_block_m
+    tiles = meta.prefill_tiles
+    if tiles is not None:
+        assert meta.prefill_tile_rows == block_m, "the step's tile map was cut for other tiles"
+        grid = (tiles.shape[0], 1, n_q)
+    else:
+        tiles = meta.query_start_t  # unread
+        grid = (meta.num_seqs, _cdiv(meta.max_query_len, block_m), n_q)
+    prefill_kernel[grid](
+        q, k_cache, v_cache, out, table, meta.context_lens_t, meta.query_start_t, tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, table.stride(0),
+        qk_scale, window,
+        GROUP=group, D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=tiling.prefill_block_n,
+        PREC=prec, FOR_LOOP=for_loop, TILE_MAP=meta.prefill_tiles is not None, num_warps=tiling.num_warps,
+    )  # fmt: skip
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream a mixed step's prefill launch runs on beside the decode launch (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream

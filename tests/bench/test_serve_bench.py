@@ -116,6 +116,31 @@ def test_base_only_against_pure_decode_of_a_full_batch(tmp_path: Path) -> None:
     ratio = report["ratios"]["base_only_vs_full_batch_decode"]
     assert ratio == pytest.approx(report["base_only"]["output_tokens_per_s"] * full["median_s"] / 8)
     assert 0 < ratio < 1.5 and "pure decode of a full batch" in (tmp_path / "serve.md").read_text()
+    steady = report["base_only"]["steady"]
+    assert report["ratios"]["base_only_vs_full_batch_decode_steady"] == pytest.approx(
+        steady["output_tokens_per_s"] * full["median_s"] / 8
+    )
+
+
+def test_steady_window_leaves_out_the_ramp_and_the_drain() -> None:
+    """From a quarter of the requests finished to the last arrival: the decode rows of the steps
+    launched in it plus the first tokens sampled in it, over its length."""
+    from loraplex.bench.serve_metrics import RequestTiming, StepRecord, steady_window
+
+    timings = [
+        RequestTiming(i, "t", "base", arrival_s=a, first_token_s=f, finish_s=e)
+        for i, (a, f, e) in enumerate([(0, 1, 2), (0, 1.5, 3), (2, 2.5, 4), (3, 3.5, 5), (4, 4.5, 9)])
+    ]
+    # one step a second from 0 to 8, 10 decode rows each, plus a step at 1.5 (6 rows)
+    steps = [StepRecord(float(t), 1.0, 12, 10, 0, 4, True) for t in range(9)]
+    steps.append(StepRecord(1.5, 0.5, 6, 6, 0, 4, True))
+    got = steady_window(timings, steps)
+    assert got is not None
+    # finishes sorted 2, 3, 4, 5, 9: the quarter mark is the second (3); the last arrival is 4
+    assert (got["from_s"], got["to_s"]) == (3, 4)
+    assert got["output_tokens"] == 10 + 1  # the step at 3, and request 3's first token at 3.5
+    assert got["output_tokens_per_s"] == 11
+    assert steady_window(timings[:1], steps) is None  # its last arrival is before a quarter finished
 
 
 def test_budget_sweep_reruns_base_only_at_each_budget(tmp_path: Path) -> None:
