@@ -122,7 +122,9 @@ def run(
     tables = LoRADeviceTable(torch.device("cuda", torch.cuda.current_device()) if cuda else dev)
     tables.sync(table)
     copier = ImmediateCopier()
-    loads = build_async_loads(residency, dev) or AsyncLoads(residency, copier)
+    # (not `or`: AsyncLoads is falsy while no load is in flight, which sent CUDA to the CPU copier)
+    async_loads = build_async_loads(residency, dev)
+    loads = async_loads if async_loads is not None else AsyncLoads(residency, copier)
     bandwidth = bandwidth_mib * (1 << 20) / h2d_seconds(dev, bandwidth_mib << 20, repeats)
     # Where a load's time goes: host timestamps of its phases, and on CUDA the copy's own GPU time
     # (an event the side stream records just before the copy, to the load's completion event).
