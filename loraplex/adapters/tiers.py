@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
-from loraplex.adapters.device_pool import AdapterPool
+from loraplex.adapters.device_pool import AdapterPool, PoolFullError
 from loraplex.adapters.eviction import Candidate, EvictionPolicy, TenantLimits, Tier
 from loraplex.adapters.h2d_copy import AsyncLoads
 from loraplex.adapters.host_cache import HostCache
@@ -119,8 +119,11 @@ class AdapterTiers:
         self._sizes[revision] = self.pool.footprint(copy)
         self.events += 1
         if not self._in_flight(revision) and self.pool.free_bytes >= self._sizes[revision]:
-            self.residency.load(revision, copy)
-            self.metrics.host_to_device_bytes += copy.nbytes
+            try:
+                self.residency.load(revision, copy)
+                self.metrics.host_to_device_bytes += copy.nbytes
+            except PoolFullError:  # free bytes split by adapters that may not move: loaded on demand
+                pass
         return copy
 
     def drop(self, revision: str) -> None:
@@ -318,15 +321,32 @@ class AdapterTiers:
             return True
         if size > self.pool.free_bytes and not self._make_room(revision, size):
             return False
+        # Enough free bytes can still be split by adapters that may not move now (pinned by the step
+        # in flight, or copying): then evict one more at a time, by policy, until a run of free
+        # bytes is long enough; with nothing left to evict the load waits for a later poll.
+        while not self._start_placement(revision, weights):
+            free = self.pool.free_bytes
+            if not self._make_room(revision, free + 1) or self.pool.free_bytes <= free:
+                return False
         if self.copies is not None:  # resident once the copy completes (counted in `poll`)
-            self.copies.start(revision, weights)
-            self._copying[revision] = weights
             return True
-        self.residency.load(revision, weights)
         self._placed.add(revision)
         self.counts["loads"] += 1
         self.events += 1
         self._record_load(revision, weights)
+        return True
+
+    def _start_placement(self, revision: str, weights: AdapterWeights) -> bool:
+        """Place `revision` in the pool: queue its copy (CUDA) or copy it now. False, with nothing
+        changed, when the free bytes are not contiguous even after compaction."""
+        try:
+            if self.copies is not None:
+                self.copies.start(revision, weights)
+                self._copying[revision] = weights
+            else:
+                self.residency.load(revision, weights)
+        except PoolFullError:
+            return False
         return True
 
     def _record_load(self, revision: str, weights: AdapterWeights) -> None:
