@@ -7,7 +7,8 @@
 #   sweep    the same workload base-only at step budgets 192..512, admission batching off, one
 #            engine (`--budget-sweep`), against the default budget (~4 min)
 #   hf       with adapters against transformers + PEFT on the first 64 requests, one batch (random weights
-#            written to $WORKDIR once, ~16 GB) (~5 min)
+#            written to $WORKDIR once, ~16 GB), transformers stopped after $HF_TIME_LIMIT s (240) of
+#            generation: then the ratio is a lower bound from its measured step pace (~8 min)
 #   http     256 streams over HTTP against a server on the same engine in its own process, and
 #            in-process (~5 min)
 # Results under $RESULTS (default bench-results/serve-gpu-check/PART); the report's summary lines
@@ -28,7 +29,7 @@ WORKLOAD=(--device cuda --random-layers 32 --num-adapters 32 --ranks 16 --popula
 case "$part" in
   targets) args=(--arrivals closed:64 --more-seeds 2 --poisson-factor 0.9) ;;
   sweep) args=(--arrivals closed:64 --budget-sweep 192,256,320,384,512) ;;
-  hf) args=(--arrivals closed:64 --no-base-compare --hf-compare --hf-requests 64
+  hf) args=(--arrivals closed:64 --no-base-compare --hf-compare --hf-requests 64 --hf-time-limit "${HF_TIME_LIMIT:-240}"
     --workdir "${WORKDIR:-bench-results/serve-checkpoint}") ;;
   http) args=(--arrivals closed:256 --max-num-seqs 256 --no-base-compare --http-compare) ;;
   *) echo "unknown part: $part (targets, sweep, hf or http)" >&2; exit 2 ;;

@@ -84,6 +84,10 @@ def _serve(args: argparse.Namespace) -> int:
             if args.hf_requests < 1:
                 raise ValueError(f"--hf-requests must be at least 1, got {args.hf_requests}")
             bench = replace(bench, hf_requests=args.hf_requests)
+        if args.hf_time_limit is not None:
+            if args.hf_time_limit <= 0:
+                raise ValueError(f"--hf-time-limit must be > 0 seconds, got {args.hf_time_limit}")
+            bench = replace(bench, hf_time_limit_s=args.hf_time_limit)
         if args.http_compare:
             bench = replace(bench, http_compare=True)
         if args.more_seeds:
@@ -182,6 +186,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--hf-requests",
         type=int,
         help="transformers + PEFT on the workload's first N requests only (default: all)",
+    )
+    s.add_argument(
+        "--hf-time-limit",
+        type=float,
+        help="stop transformers + PEFT after this many seconds of generation; the report then gives its "
+        "measured pace and the fastest it could have finished (an upper bound on its tokens/s)",
     )
     s.add_argument(
         "--http-compare",

@@ -38,6 +38,9 @@ class ServeBenchArgs:
     # transformers + PEFT on the workload's first N requests only (None: all), in whole batches:
     # its throughput over a few static batches is its throughput, at a fraction of the time
     hf_requests: int | None = None
+    # stop transformers + PEFT after this many seconds of generation and report its measured pace and
+    # the bound it gives (None: run to the end)
+    hf_time_limit_s: float | None = None
     # Also the same workload over HTTP, against a server on the same engine that the bench starts
     # in a process of its own (bench/serve_server.py); the report states HTTP / in-process.
     http_compare: bool = False

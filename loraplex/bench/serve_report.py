@@ -84,6 +84,16 @@ def markdown(report: dict[str, Any]) -> str:
             "output tokens/s with adapters / transformers + PEFT: "
             f"{ratios['output_tokens_per_s_vs_hf_peft']:.2f}"
         ]
+    if "output_tokens_per_s_vs_hf_peft_at_least" in ratios:
+        hf = report["hf_peft"]
+        lines += [
+            f"transformers + PEFT stopped at its {hf['time_limit_s']:.0f} s limit inside the batch ending at "
+            f"request {hf['requests_covered']} (step median {_ms(hf['step_s_median'])} ms, fastest "
+            f"{_ms(hf['step_s_min'])} ms, first step {_ms(hf['first_step_s'][-1])} ms); the fastest it "
+            f"could have finished those requests: {hf['output_tokens_per_s_upper_bound']:.1f} tok/s",
+            "output tokens/s with adapters / transformers + PEFT, at least: "
+            f"{ratios['output_tokens_per_s_vs_hf_peft_at_least']:.2f}",
+        ]
     lines += [f"{name}: {value:.3f}" for name, value in ratios.items() if ":" in name]
     if "startup" in report:
         st, after = report["startup"], report.get("after_startup", {})

@@ -56,6 +56,26 @@ def test_transformers_peft_baseline_on_the_first_requests(tmp_path: Path) -> Non
     assert "the first 10 requests" in (tmp_path / "serve.md").read_text()
 
 
+def test_transformers_peft_baseline_cut_at_its_time_limit_reports_a_bound(tmp_path: Path) -> None:
+    """--hf-time-limit: the baseline stops after its first step (a limit already past), counts only
+    the tokens it generated, and bounds a full run by its first step and its fastest step."""
+    args = replace(ServeBenchArgs.smoke_args(), hf_compare=True, base_compare=False, hf_time_limit_s=1e-9)
+    report = run(args, tmp_path, progress=False)
+    hf = report["hf_peft"]
+    reqs = generate(args.workload).requests
+    batch = hf["settings"]["batch"]
+    first = reqs[: min(batch, len(reqs))]
+    assert hf["cut"] and hf["requests_covered"] == len(first)
+    assert hf["output_tokens"] == len(first)  # one step: one token a request
+    assert hf["steps_timed"] == 0 and len(hf["first_step_s"]) == 1  # no second step to time
+    want = sum(r.output_len for r in first) / hf["first_step_s"][0]  # no step time seen: 0 for the rest
+    assert hf["output_tokens_per_s_upper_bound"] == pytest.approx(want)
+    ratio = report["ratios"]["output_tokens_per_s_vs_hf_peft_at_least"]
+    assert ratio == pytest.approx(report["adapters"]["output_tokens_per_s"] / want)
+    assert "output_tokens_per_s_vs_hf_peft" not in report["ratios"]
+    assert "at least" in (tmp_path / "serve.md").read_text()
+
+
 def test_random_weights_written_once_for_the_transformers_baseline(tmp_path: Path) -> None:
     smoke = ServeBenchArgs.smoke_args()
     spec = replace(smoke.workload, num_requests=16, ranks="8,16", prompt_len="uniform:8:40")
