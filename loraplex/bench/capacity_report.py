@@ -43,15 +43,20 @@ def thrash_markdown(report: dict[str, Any]) -> str:
             "## Against all adapters resident (same run)",
             "",
             "| adapters | popularity | tok/s ratio | device-hit P99 TTFT ms | all-resident P99 TTFT ms "
-            "| TTFT ratio |",
-            "| ---: | --- | ---: | ---: | ---: | ---: |",
+            "| TTFT ratio | the same requests all-resident, P99 ms | TTFT ratio, same requests "
+            "| step median ratio |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in report["vs_all_resident"]:
             ratio = r["device_hit_ttft_p99_ratio"]
+            same = r.get("device_hit_ttft_p99_ratio_same_requests")
+            steps = ", ".join(f"{k} {v:.3f}" for k, v in r.get("step_median_ratio", {}).items()) or "-"
             lines.append(
                 f"| {r['adapters']} | {r['popularity']} | {r['output_tokens_per_s_ratio']:.3f} "
                 f"| {_ms(r['device_hit_ttft_p99_s'])} | {_ms(r['all_resident_ttft_p99_s'])} "
-                f"| {'-' if ratio is None else f'{ratio:.3f}'} |"
+                f"| {'-' if ratio is None else f'{ratio:.3f}'} "
+                f"| {_ms(r.get('same_requests_all_resident_ttft_p99_s'))} "
+                f"| {'-' if same is None else f'{same:.3f}'} | {steps} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from loraplex.bench.serve_metrics import RequestTiming, percentiles
 from loraplex.bench.workloads import Workload, WorkloadSpec, generate
 
 POPULARITIES = ("uniform", "zipf:0.5", "zipf:1.0", "zipf:1.5")
@@ -182,7 +183,7 @@ def _counters(engine: Any) -> dict[str, int]:  # noqa: ANN401
 
 def run_points(args: SweepArgs, room_bytes: int, max_resident: int, progress: bool) -> list[dict[str, Any]]:
     """Every (count, popularity) point on one engine (built here, torn down before returning)."""
-    from loraplex.bench.serve import run_in_process
+    from loraplex.bench.serve import Replay, run_in_process
 
     ranks = generate(_spec(args, max(args.counts), "uniform")).adapter_ranks
     engine, revisions = build_engine(args, ranks, room_bytes, max_resident)
@@ -197,6 +198,8 @@ def run_points(args: SweepArgs, room_bytes: int, max_resident: int, progress: bo
                 workload: Workload = generate(_spec(args, count, popularity))
                 before = _counters(engine)
                 t0 = time.perf_counter()
+                skip = int(args.requests * args.skip_fraction)
+                timings: list[RequestTiming] = []
                 summary = run_in_process(
                     engine,
                     names,
@@ -204,10 +207,16 @@ def run_points(args: SweepArgs, room_bytes: int, max_resident: int, progress: bo
                     base_only=False,
                     progress=progress,
                     tier_of=tier_of,
-                    skip_first=int(args.requests * args.skip_fraction),
+                    skip_first=skip,
+                    replay=Replay(timings=timings),
                 )
                 after = _counters(engine)
-                points.append(_point(count, popularity, summary, before, after, time.perf_counter() - t0))
+                point = _point(count, popularity, summary, before, after, time.perf_counter() - t0)
+                # each kept request's (index, tier at arrival, TTFT): the comparison with the
+                # all-resident run takes the same requests' TTFTs there
+                kept = [t for t in timings if t.index >= skip and t.first_token_s is not None]
+                point["requests_detail"] = sorted((t.index, t.tier, t.ttft) for t in kept)
+                points.append(point)
         return points
     finally:
         engine.tiers.close()
@@ -234,6 +243,11 @@ def _point(
         "device_hit_requests": device["requests"] if device else 0,
         "device_hit_ttft_p99_s": device["ttft_s"]["p99"] if device else None,
         "by_tier_requests": {k: v["requests"] for k, v in summary["by_tier"].items()},
+        # where a device hit's TTFT goes at the tail: waiting for admission, then to its first token
+        "device_hit_queue_p99_s": device["queue_s"]["p99"] if device else None,
+        "device_hit_prefill_p99_s": device["prefill_s"]["p99"] if device else None,
+        "step_median_s": {k: v["median_s"] for k, v in summary["steps"]["by_kind"].items()},
+        "worst_step_over_median": summary["steps"]["max_over_median_same_kind_and_bucket"],
         **{k: after[k] - before[k] for k in after},
         "point_s": seconds,
     }
@@ -292,6 +306,15 @@ def run(args: SweepArgs, progress: bool = True) -> dict[str, Any]:
 
 def _ratio(tiered: dict[str, Any], resident: dict[str, Any]) -> dict[str, Any]:
     a, b = tiered["device_hit_ttft_p99_s"], resident["device_hit_ttft_p99_s"]
+    # The same requests in both runs: those that found their adapter on the device in the tiered one
+    hits = {i for i, tier, _ in tiered.get("requests_detail", ()) if tier == "device"}
+    same = [ttft for i, _, ttft in resident.get("requests_detail", ()) if i in hits]
+    c = percentiles(same)["p99"] if same else None
+    steps = {
+        k: tiered["step_median_s"][k] / v
+        for k, v in resident.get("step_median_s", {}).items()
+        if v and k in tiered.get("step_median_s", {})
+    }
     return {
         "adapters": tiered["adapters"],
         "popularity": tiered["popularity"],
@@ -299,4 +322,7 @@ def _ratio(tiered: dict[str, Any], resident: dict[str, Any]) -> dict[str, Any]:
         "device_hit_ttft_p99_s": a,
         "all_resident_ttft_p99_s": b,
         "device_hit_ttft_p99_ratio": a / b if a is not None and b else None,
+        "same_requests_all_resident_ttft_p99_s": c,
+        "device_hit_ttft_p99_ratio_same_requests": a / c if a is not None and c else None,
+        "step_median_ratio": steps,
     }

@@ -28,6 +28,15 @@ def test_smoke_sweep_and_load_latency_write_their_reports(tmp_path: Path) -> Non
     assert any(p["evictions"] > 0 and p["loads"] > 0 for p in points if p["adapters"] == 12)
     assert len(report["vs_all_resident"]) == len(points)
     assert all(p["evictions"] == 0 for p in report["all_resident"])
+    # the same requests in both runs: the tiered run's device hits, their TTFTs all-resident
+    for tiered, resident, cmp in zip(points, report["all_resident"], report["vs_all_resident"], strict=True):
+        assert len(tiered["requests_detail"]) == tiered["requests"]
+        assert [r[0] for r in tiered["requests_detail"]] == [r[0] for r in resident["requests_detail"]]
+        hits = {i for i, tier, _ in tiered["requests_detail"] if tier == "device"}
+        same = sorted(t for i, _, t in resident["requests_detail"] if i in hits)
+        want = same[min(len(same) - 1, int(0.99 * len(same)))] if same else None
+        assert cmp["same_requests_all_resident_ttft_p99_s"] == want
+        assert set(cmp["step_median_ratio"]) <= set(resident["step_median_s"])
     assert (out / "thrash.md").read_text().startswith("# Adapter cache thrash sweep")
     load = json.loads((out / "load_latency.json").read_text())
     assert [r["rank"] for r in load["per_rank"]] == [8, 16]
