@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SeqView
@@ -24,6 +25,11 @@ from typing import Any, Protocol
 
 from loraplex.config import SchedulerConfig
 from loraplex.engine.sequence import Sequence
+
+# Adapters' arrival rates are decayed counts over about this long; the rate that makes an adapter
+# one of the most requested is recomputed at most this often (so a hold check stays O(1)).
+_RATE_TAU_S = 10.0
+_TOP_REFRESH_S = 0.1
 
 
 class AdmissionPolicy(Protocol):
@@ -142,6 +148,10 @@ class AdaptivePolicy:
         self._running_adapters: Counter[str] = Counter()
         self._last_ran: dict[str, float] = {}  # adapter -> when a sequence of it last left the running set
         self._waiting_adapters: Counter[str] = Counter()
+        # adapter -> (arrivals decayed with time constant _RATE_TAU_S, when last updated)
+        self._arrivals: dict[str, tuple[float, float]] = {}
+        self.top_share = config.locality_top_share
+        self._top_floor, self._top_at = math.inf, -math.inf  # the top share's lowest decayed count
         self.waiting = _View(self._waiting)
 
     # --- the queue -------------------------------------------------------------------------------
@@ -163,6 +173,8 @@ class AdaptivePolicy:
         key = adapter_key(seq)
         if key is not None:
             self._waiting_adapters[key] += 1
+            now = self._clock()
+            self._arrivals[key] = (self._decayed(key, now) + 1.0, now)
 
     def remove(self, seq: Sequence) -> None:
         """A waiting sequence leaves for good (aborted); heap entries are dropped lazily."""
@@ -280,7 +292,28 @@ class AdaptivePolicy:
             return False  # company is here: the group shares the segment it adds
         if now - self._last_ran.get(key, -1e18) < self.popular:
             return False  # it ran a moment ago: a popular adapter between requests, not a stray
+        if self.top_share > 0 and self._decayed(key, now) > self._top_count(now):
+            return False  # one of the most requested adapters
         return len(step_adapters) >= self.max_adapters or now - seq.waiting_since < self.window
+
+    def _decayed(self, key: str, now: float) -> float:
+        count, then = self._arrivals.get(key, (0.0, now))
+        return count * math.exp((then - now) / _RATE_TAU_S)
+
+    def _top_count(self, now: float) -> float:
+        """The decayed arrival count an adapter must exceed to be among the top `top_share` of
+        the adapters seen (at least one adapter), refreshed every _TOP_REFRESH_S; adapters whose
+        count has decayed away are forgotten then."""
+        if now - self._top_at >= _TOP_REFRESH_S:
+            counts = {k: self._decayed(k, now) for k in self._arrivals}
+            for k in [k for k, c in counts.items() if c < 1e-3 and not self._waiting_adapters[k]]:
+                del self._arrivals[k], counts[k]
+            ranked = sorted(counts.values(), reverse=True)
+            top = max(1, math.ceil(self.top_share * len(ranked)))
+            # above the first adapter outside the top share (ties with it are not top)
+            self._top_floor = ranked[top] if top < len(ranked) else 0.0
+            self._top_at = now
+        return self._top_floor
 
     def _least_served(self, vtc: dict[str, float]) -> str | None:
         best: str | None = None
