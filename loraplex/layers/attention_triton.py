@@ -13,6 +13,8 @@ run it under `TRITON_INTERPRET=1`), so the package imports without triton.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -403,14 +405,18 @@ def _launch_prefill(
     )  # fmt: skip
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+# Per thread: an engine steps (and captures its graphs) on its own thread, and a stream that one
+# thread's capture has forked into must not take another thread's launches meanwhile.
+_SIDE_STREAMS = threading.local()
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The stream a mixed step's prefill launch runs on beside the decode launch (CUDA only)."""
     if device.type != "cuda":
         return None
-    stream = _SIDE_STREAMS.get(device)
+    streams: dict[torch.device, torch.cuda.Stream] = getattr(_SIDE_STREAMS, "by_device", None) or {}
+    _SIDE_STREAMS.by_device = streams
+    stream = streams.get(device)
     if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        stream = streams[device] = torch.cuda.Stream(device)
     return stream
