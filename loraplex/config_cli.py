@@ -51,7 +51,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 _flag(section, f.name),
                 dest=f"{section}__{f.name}",
                 metavar=f.name.upper(),
-                type=int if "int" in str(hints[f.name]) else str,
+                type=_scalar(hints[f.name]),
                 default=default,
                 help=f"{section} setting (default: "
                 f"{default if default is not None else _DERIVED.get((section, f.name), 'derived')})",
@@ -87,3 +87,9 @@ def engine_config_from_args(model_dir: str, args: argparse.Namespace) -> EngineC
         values = {f.name: getattr(args, f"{section}__{f.name}") for f in dataclasses.fields(cls)}
         sections[section] = cls(**values)
     return EngineConfig(model_dir=model_dir, dtype=args.dtype, device=args.device, seed=args.seed, **sections)
+
+
+def _scalar(hint: object) -> type:
+    """The argparse type of a setting: int or float by its annotation (also inside `| None`), else str."""
+    text = str(hint)
+    return int if "int" in text else float if "float" in text else str

@@ -60,3 +60,17 @@ def test_limits_from_config_file_and_flags(tmp_path: Path) -> None:
     path.write_text("[limits]\nmax_body_bytes = 0\n")
     with pytest.raises(ValueError, match="max_body_bytes"):
         load_settings_file(path)
+
+
+def test_flags_take_each_settings_type() -> None:
+    """int, float and str settings arrive as their own types (a float flag once arrived as a string
+    and failed the config's range check with a TypeError)."""
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "--policy", "adaptive", "--locality-top-share", "0.25", "--locality-window-ms", "80"]
+    )
+    sched = engine_config_from_args("/m", args).scheduler
+    assert sched.locality_top_share == 0.25 and isinstance(sched.locality_top_share, float)
+    assert sched.locality_window_ms == 80 and sched.policy == "adaptive"
+    with pytest.raises(ValueError, match="locality_top_share"):
+        engine_config_from_args("/m", parser.parse_args(["serve", "--locality-top-share", "1.5"]))
