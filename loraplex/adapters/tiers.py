@@ -321,9 +321,9 @@ class AdapterTiers:
             return True
         if size > self.pool.free_bytes and not self._make_room(revision, size):
             return False
-        # Enough free bytes can still be split by adapters that may not move now (pinned by the step
-        # in flight, or copying): then evict one more at a time, by policy, until a run of free
-        # bytes is long enough; with nothing left to evict the load waits for a later poll.
+        # Enough free bytes can still be split by adapters that may not move now (their own loads
+        # still copying on the side stream, or pinned by a step): then evict one more at a time, by
+        # policy, until a run of free bytes is long enough; else the load waits for a later poll.
         while not self._start_placement(revision, weights):
             free = self.pool.free_bytes
             if not self._make_room(revision, free + 1) or self.pool.free_bytes <= free:

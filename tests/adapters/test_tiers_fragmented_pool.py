@@ -1,4 +1,5 @@
-"""Free device bytes split by adapters that may not move (pinned by the step in flight): a load
+"""Free device bytes split by adapters that may not move (here pinned by a step; in serving
+mostly adapters whose own loads are still copying, which the pool does not move either): a load
 that fits the free bytes but no run of them waits, or evicts to make a run, and never raises out of
 `poll` (which runs on the step thread: an exception there ends every request of the engine)."""
 
