@@ -2,7 +2,7 @@
 implementation for a device (`attention_backend`).
 
 Its own module because both implementations read it: `attention.py` (the dispatch and the torch
-reference) and `attention_triton.py` (the kernels), and the dispatch imports the kernels.
+reference) and `attention_triton.py` (the kernels' launches), and the dispatch imports the kernels.
 """
 
 from __future__ import annotations
