@@ -97,7 +97,7 @@ def run(
     import torch
 
     from loraplex.adapters.device_pool import AdapterPool
-    from loraplex.adapters.h2d_copy import AsyncLoads, build_async_loads
+    from loraplex.adapters.h2d_copy import AsyncLoads, StreamCopier, build_async_loads
     from loraplex.adapters.host_cache import HostCache
     from loraplex.adapters.residency import AdapterResidency
     from loraplex.bench.capacity_sweep import SweepArgs, _model_config
@@ -128,18 +128,18 @@ def run(
     bandwidth = bandwidth_mib * (1 << 20) / h2d_seconds(dev, bandwidth_mib << 20, repeats)
     # Where a load's time goes: host timestamps of its phases, and on CUDA the copy's own GPU time
     # (an event the side stream records just before the copy, to the load's completion event).
-    marks: dict[str, float] = {}
+    queued_at = 0.0
     copy_start: Any = None
-    stream_copier = getattr(loads.copier, "stream", None) is not None
-    if stream_copier:
+    stream_copier = loads.copier if isinstance(loads.copier, StreamCopier) else None
+    if stream_copier is not None:
 
         def before_copy() -> None:
-            nonlocal copy_start
-            marks["queued"] = time.perf_counter()
+            nonlocal copy_start, queued_at
+            queued_at = time.perf_counter()
             copy_start = torch.cuda.Event(enable_timing=True)
             copy_start.record()  # on the side stream: the copier calls this inside its stream
 
-        loads.copier.before_copy = before_copy  # type: ignore[attr-defined]
+        stream_copier.before_copy = before_copy
     per_rank = []
     for rank, packed in adapters.items():
         times, host_times = [], []
@@ -154,9 +154,9 @@ def run(
             loads.start(revision, packed)
             t_started = time.perf_counter()
             copy_end = None
-            if stream_copier:  # queued behind the copy on the side stream: GPU time at its end
+            if stream_copier is not None:  # queued behind the copy on the side stream: its end
                 copy_end = torch.cuda.Event(enable_timing=True)
-                copy_end.record(loads.copier.stream)  # type: ignore[attr-defined]
+                copy_end.record(stream_copier.stream)
             tables.sync(table)
             t_synced = time.perf_counter()
             host_s = t_synced - t0 - copier.seconds
@@ -174,8 +174,8 @@ def run(
             if i:  # the first one warms the side stream and the copy path
                 times.append(t2 - t0)
                 host_times.append(host_s)
-                if stream_copier:
-                    phases["to_copy_queued_s"].append(marks["queued"] - t0)
+                if stream_copier is not None:
+                    phases["to_copy_queued_s"].append(queued_at - t0)
                 phases["start_returned_s"].append(t_started - t0)
                 phases["tables_synced_s"].append(t_synced - t0)
                 phases["committed_s"].append(t_committed - t0)

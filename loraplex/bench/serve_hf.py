@@ -113,7 +113,6 @@ def run_hf(
             fastest = min(steps) if steps else 0.0
             bound_s += (first_steps[-1] if pace.times else t1 - t0) + (new - 1) * fastest
             bound_tokens = sum(output_lens[:covered])
-            bar.close()
             break
         output += sum(output_lens[i] for i in rows)
         bound_s += t1 - t0

@@ -164,8 +164,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The stream a mixed step's prefill launch runs on beside the decode launch (CUDA only)."""
     if device.type != "cuda":
         return None
-    streams: dict[torch.device, torch.cuda.Stream] = getattr(_SIDE_STREAMS, "by_device", None) or {}
-    _SIDE_STREAMS.by_device = streams
+    if not hasattr(_SIDE_STREAMS, "by_device"):
+        _SIDE_STREAMS.by_device = {}
+    streams: dict[torch.device, torch.cuda.Stream] = _SIDE_STREAMS.by_device
     stream = streams.get(device)
     if stream is None:
         stream = streams[device] = torch.cuda.Stream(device)
