@@ -26,15 +26,16 @@ def thrash_markdown(report: dict[str, Any]) -> str:
         f"out), prompts {a['prompt_len']}, outputs {a['output_len']}.",
         "",
         "| adapters | popularity | output tok/s | P99 TTFT ms | device-hit P99 TTFT ms | device hits "
-        "| loads | evictions | stalled |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| loads | evictions | stalled | compiles / captures |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for p in report["points"]:
         lines.append(
             f"| {p['adapters']} | {p['popularity']} | {p['output_tokens_per_s']:.1f} "
             f"| {_ms(p['ttft_p99_s'])} | {_ms(p['device_hit_ttft_p99_s'])} "
             f"| {p['device_hit_requests']}/{p['requests']} "
-            f"| {p['loads']} | {p['evictions']} | {p['stalled_requests']} |"
+            f"| {p['loads']} | {p['evictions']} | {p['stalled_requests']} "
+            f"| {p.get('kernel_compiles', '-')} / {p.get('graph_captures', '-')} |"
         )
     onset = ", ".join(f"{pop}: {'none' if n is None else n}" for pop, n in report["thrash_onset"].items())
     lines += ["", f"Thrash onset (tokens/s below 90% of the smallest count's): {onset}.", ""]

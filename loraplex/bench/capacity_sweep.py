@@ -178,6 +178,10 @@ def _counters(engine: Any) -> dict[str, int]:  # noqa: ANN401
         "device_hits": s["device"]["hits"],
         "host_hits": s["host_admissions"],
         "compactions": s["device"]["compactions"],
+        # loads and evictions must not compile a kernel or capture a graph (the startup warm-up
+        # covers every rank and slot): a point's difference of these is expected to be 0
+        "kernel_compiles": engine.kernel_compiles,
+        "graph_captures": engine.graph_captures,
     }
 
 

@@ -26,13 +26,31 @@ TARGET_SETS = [
 RANKS = [4, 8, 12, 16, 24, 32, 40, 64]
 
 
+def _room_for_two(hf: torch.nn.Module) -> int:
+    """Device pool bytes for the two largest of the eight adapters (rank and targets as
+    registered below), in bf16."""
+    from loraplex.bench.capacity import adapter_bytes
+    from loraplex.config import ModelConfig
+
+    mc = ModelConfig.from_hf_dict(hf.config.to_dict())
+    sizes = [
+        adapter_bytes(mc, rank, [t.removesuffix("_proj") for t in TARGET_SETS[i % 5]], torch.bfloat16)[1]
+        for i, rank in enumerate(RANKS)
+    ]
+    return sum(sorted(sizes)[-2:])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_compile_or_capture_after_warmup(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("tiered", [False, True], ids=["all-resident", "room-for-two"])
+def test_no_compile_or_capture_after_warmup(tmp_path, tiered: bool) -> None:  # noqa: ANN001
+    """Tiered: the device pool holds the two largest of the eight adapters, so rounds load and evict
+    adapters (side-stream copies, compaction, slot reuse) while others decode."""
     hf = build_hf_model("llama", seed=3)
     model_dir = save_hf_model(hf, tmp_path / "base")
+    room = {"adapter_device_bytes": _room_for_two(hf)} if tiered else {}
     llm = LLM(
         model_dir, dtype="bfloat16", device="cuda", max_lora_rank=64, max_num_seqs=16,
-        max_num_batched_tokens=512, cuda_graph_max_batch=16, max_model_len=1024,
+        max_num_batched_tokens=512, cuda_graph_max_batch=16, max_model_len=1024, **room,
     )  # fmt: skip
     engine = llm.engine
     assert engine.warmup_s > 0
@@ -54,3 +72,6 @@ def test_no_compile_or_capture_after_warmup(tmp_path) -> None:  # noqa: ANN001
         llm.generate(prompts, params, adapters=adapters)
         assert engine.kernel_compiles == compiles, (round_, kernel_compiles.recent()[-8:])
         assert engine.graph_captures == captures, round_
+    if tiered:
+        stats = engine.tiers.stats()
+        assert stats["evictions"] > 0 and stats["loads"] > 0, stats
