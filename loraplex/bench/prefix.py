@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from loraplex.bench.prefix_reference import ReferenceRequest, compare_with_reference, reference_steps
 from loraplex.bench.serve_metrics import percentiles
 from loraplex.bench.serve_model import ServeBenchArgs, build_engine, prompt_ids
 from loraplex.bench.workloads import Workload, WorkloadRequest, WorkloadSpec, generate
@@ -68,6 +69,10 @@ class PrefixBenchArgs:
     max_num_batched_tokens: int = 2048
     logprobs: int = 2  # top-2 per token: the margin where cold and warm tokens differ
     cache_off: bool = True  # the cache-off baseline on a second engine
+    # transformers + PEFT in float32 along the cold run's tokens (bench/prefix_reference.py): warm
+    # and cold must agree wherever its top-2 margin decides. Random weights then go through files.
+    fp32_reference: bool = False
+    workdir: str = "bench-results/serve-checkpoint"  # those files (reused while shape and seed hold)
     seed: int = 0
     smoke: bool = False
 
@@ -114,6 +119,8 @@ class PrefixBenchArgs:
             dtype=self.dtype,
             prefix_caching=prefix_caching,
             smoke=self.smoke,
+            hf_compare=self.fp32_reference and not self.smoke and self.model is None,
+            workdir=self.workdir,
         )
 
 
@@ -219,7 +226,8 @@ class _Session:
         self, args: PrefixBenchArgs, workload: Workload, prefix_caching: bool, progress: bool
     ) -> None:
         self.args, self.workload, self.progress = args, workload, progress
-        self.engine, self.names, _ = build_engine(args.serve_args(prefix_caching), workload)
+        self.engine, self.names, self.adapter_dirs = build_engine(args.serve_args(prefix_caching), workload)
+        self.model_dir = str(self.engine.config.model_dir)
         self.prompts = _Prompts(args, self.engine.model_config.vocab_size)
         self.startup = {"warmup_s": self.engine.warmup_s, **_counters(self.engine)}
 
@@ -250,6 +258,17 @@ class _Session:
         return run_phase(
             self.engine, self.names, workload or self.workload, prompt_of, salt, self.args, label
         )
+
+    def reference_requests(self, run: dict[str, Any]) -> list[ReferenceRequest]:
+        """A run's requests (the cold run's) for the float32 reference: prompt, greedy tokens and
+        adapter name of each."""
+        prompt_of = self.prompts.maker(self.args.seed)
+        out = []
+        for r in run["requests"]:
+            req = self.workload.requests[r["index"]]
+            adapter = None if req.adapter is None else self.names[req.adapter]
+            out.append(ReferenceRequest(prompt_of(req), list(r["token_ids"]), adapter))
+        return out
 
     def rehearse(self) -> float:
         """The untimed rehearsal; its seconds."""
@@ -294,9 +313,19 @@ def run(args: PrefixBenchArgs, out_dir: Path | None = None, progress: bool = Tru
         "workload": asdict(workload.spec),
         "environment": {**_environment(args.device), **_versions()},
     }
+    if args.fp32_reference and args.model is not None:
+        raise SystemExit(
+            "--fp32-reference loads the model and its adapters from files; with --model the adapters "
+            "are random and in memory only: leave --model out (random weights are written to --workdir)"
+        )
     _say(progress, "building the engine (startup warm-up)")
     with _Session(args, workload, True, progress) as session:
         report.update(session.cached_runs())
+        reference = (
+            session.model_dir,
+            session.adapter_dirs,
+            session.reference_requests(report["runs"]["cold"]),
+        )
     runs = report["runs"]
     if args.cache_off:  # the same requests with nothing reused, after a rehearsal of their own
         _say(progress, "building a second engine without a prefix cache")
@@ -316,7 +345,12 @@ def run(args: PrefixBenchArgs, out_dir: Path | None = None, progress: bool = Tru
         report["ratios"]["warm_vs_cache_off"] = ttft_ratios(runs["warm"], runs["cache_off"])
         report["ratios"]["cold_vs_cache_off"] = ttft_ratios(runs["cold"], runs["cache_off"])
         report["outputs"]["cache_off_vs_cold"] = compare_tokens(runs["cold"], runs["cache_off"])
+    if args.fp32_reference:  # after the engines are gone: the float32 model needs their memory
+        _say(progress, "transformers + PEFT in float32 along the cold run's tokens")
+        refs = reference_steps(*reference, args.device)
+        report["fp32_reference"] = compare_with_reference(runs["cold"], runs["warm"], refs)
     same = report["outputs"]["warm_vs_cold"]
+    decided = report.get("fp32_reference")
     report["target"] = {
         "ttft_ratio_max": TARGET_RATIO,
         # against the cold run that shares nothing (the target), the cold run that shares blocks
@@ -325,6 +359,8 @@ def run(args: PrefixBenchArgs, out_dir: Path | None = None, progress: bool = Tru
         "ttft_ratio_pass_vs_shared_cold": _passes(report["ratios"]["warm_vs_cold"]),
         "ttft_ratio_pass_vs_cache_off": _passes(report["ratios"].get("warm_vs_cache_off")),
         "identical_outputs": same["identical"] == same["requests"],
+        # the issue's bf16 rule: identical wherever the float32 reference's margin decides
+        "identical_where_decided": None if decided is None else decided["pass"],
     }
     if out_dir is not None:
         from loraplex.bench.prefix_report import write_report

@@ -84,6 +84,19 @@ def markdown(report: dict[str, Any]) -> str:
             f"{verdict(target['ttft_ratio_pass_vs_cache_off'])}"
         )
     lines.append(f"identical greedy outputs warm and cold: {'yes' if target['identical_outputs'] else 'NO'}")
+    ref = report.get("fp32_reference")
+    if ref is not None:
+        lines.append(
+            f"warm and cold give the float32 reference's greedy token wherever its top-2 margin is >= "
+            f"{ref['margin']} (while they share their context): {verdict(ref['pass'])}; "
+            f"{ref['steps_checked']} steps checked of {ref['steps']} ({ref['steps_decided']} decided "
+            f"by the reference), {len(ref['failures'])} failed"
+        )
+        for f in ref["failures"][:10]:
+            lines.append(
+                f"- request {f['index']} step {f['step']}: cold {f['cold']}, warm {f['warm']}, "
+                f"float32 {f['reference']} (margin {f['margin']:.3f})"
+            )
     for name, same in report["outputs"].items():
         lines.append(
             f"greedy tokens, {name.replace('_', ' ')}: "

@@ -1,6 +1,7 @@
-"""`loraplex bench prefix --smoke` (the CPU demo model): the report has its fields, the warm run
-finds the system prompt cached for every request and gives the cold run's greedy tokens, and the
-numbers in it agree with its per-request records."""
+"""`loraplex bench prefix --smoke --fp32-reference` (the CPU demo model): the report has its fields,
+the warm run finds the system prompt cached for every request and gives the cold run's greedy
+tokens, which are transformers + PEFT's float32 argmax at every step (the demo model's margins are
+wide), and the numbers in it agree with its per-request records."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.bench.prefix import PrefixBenchArgs, compare_tokens, ttft_ratios
+from loraplex.bench.prefix_reference import MARGIN, agree
 from loraplex.bench.serve_metrics import percentiles
 from loraplex.cli import main
 
@@ -17,7 +19,7 @@ from loraplex.cli import main
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("prefix")
-    assert main(["bench", "prefix", "--smoke", "--quiet", "--out", str(out)]) == 0
+    assert main(["bench", "prefix", "--smoke", "--fp32-reference", "--quiet", "--out", str(out)]) == 0
     return json.loads((out / "prefix.json").read_text()), out
 
 
@@ -74,3 +76,26 @@ def test_compare_tokens_names_the_first_differing_step() -> None:
     other = {"requests": [{"index": 0, "token_ids": [5, 9, 7]}]}
     assert compare_tokens(ref, same) == {"requests": 1, "identical": 1, "differences": []}
     assert compare_tokens(ref, other)["differences"] == [{"index": 0, "step": 1, "margin": 0.01}]
+
+
+def test_the_float32_reference_agrees_at_every_decided_step(report: tuple[dict, Path]) -> None:
+    r, out = report
+    ref = r["fp32_reference"]
+    steps = sum(len(q["token_ids"]) for q in r["runs"]["cold"]["requests"])
+    # a misaligned reference (logits of the wrong position) would give other tokens and fail here
+    assert ref["steps"] == steps and ref["steps_checked"] == ref["steps_decided"] > steps // 2
+    assert ref["failures"] == [] and ref["pass"] is True
+    assert r["target"]["identical_where_decided"] is True
+    assert "float32 reference" in (out / "prefix.md").read_text()
+
+
+def test_agree_stops_at_a_near_tie_and_names_a_decided_mismatch() -> None:
+    wide, tie = 1.0, MARGIN / 2
+    ref = [(5, wide), (6, tie), (7, wide)]
+    assert agree([5, 6, 7], [5, 6, 7], ref) == {"checked": 2, "failure": None}
+    # they part at the near-tie: step 2 is not compared (different contexts)
+    assert agree([5, 6, 7], [5, 8, 9], ref) == {"checked": 1, "failure": None}
+    failure = agree([5, 6, 7], [5, 6, 4], ref)["failure"]
+    assert failure == {"step": 2, "cold": 7, "warm": 4, "reference": 7, "margin": wide}
+    # both runs agree but not with the reference where it decides
+    assert agree([3], [3], [(5, wide)])["failure"]["reference"] == 5
