@@ -207,7 +207,8 @@ def run_in_process(
         since = min(t.arrival_s for t in done)
         steps = [s for s in steps if s.start_s >= since]
         wall = max(t.finish_s or 0.0 for t in done) - since
-    summary = summarize(done, steps, wall, max_num_seqs=engine.config.scheduler.max_num_seqs)
+    budget = engine.scheduler.token_budget  # the live one: a budget sweep lowers it
+    summary = summarize(done, steps, wall, engine.config.scheduler.max_num_seqs, step_budget=budget)
     summary["gpu_busy"] = {"fraction": busy.fraction, "window_s": busy.window_s, "kernels": busy.kernels}
     summary["prefix_cache_hit_tokens"] = (prefix.stats.hit_tokens - hits_before) if prefix is not None else 0
     return summary
@@ -279,6 +280,9 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
                     report["ratios"]["base_only_vs_full_batch_decode_steady"] = (
                         steady["output_tokens_per_s"] / decode
                     )
+                bound = report["base_only"]["steps"]["decode_bound"]
+                if bound is not None:  # what the run's own step costs allow (serve_metrics.decode_bound)
+                    report["ratios"]["base_only_decode_bound"] = bound["fraction_of_full_batch_decode"]
         if str(engine.config.device).startswith("cuda"):  # after the measured runs: stalls nobody timed
             for name, base_only in (("adapters", False), ("base_only", True)):
                 if name in report:

@@ -121,8 +121,44 @@ def steady_window(timings: list[RequestTiming], steps: list[StepRecord]) -> dict
     return {"from_s": lo, "to_s": hi, "output_tokens": tokens, "output_tokens_per_s": tokens / (hi - lo)}
 
 
+def decode_bound(
+    steps: list[StepRecord], output_tokens: int, max_num_seqs: int, step_budget: int
+) -> dict[str, Any] | None:
+    """The most output tokens/s, as a fraction of pure decode of a full batch, that this run's own
+    step costs allow for its prompt tokens: each prompt row costs what the run's full mixed steps
+    (at the step budget) pay per prompt row over a full decode step, and every step carries a full
+    batch of decode rows, so no output is lost to a partly empty batch. Linear in prompt rows, which
+    the GEMMs roughly are between one decode batch and the budget. What the run reaches against it
+    is the scheduler's share of the gap; the rest is the kernels'. None without both kinds of step."""
+    full = [s.seconds for s in steps if s.kind == "decode" and s.rows == max_num_seqs]
+    mixed = [s for s in steps if s.kind == "mixed" and s.rows == step_budget]
+    prompt_rows = sum(s.rows - s.decode_rows for s in steps)
+    if not full or not mixed or output_tokens == 0:
+        return None
+    decode_s = statistics.median(full)
+    # (never below 0: a mixed step cheaper than a decode step is noise, e.g. on a busy CPU)
+    per_row_s = max(0.0, statistics.median((s.seconds - decode_s) / (s.rows - s.decode_rows) for s in mixed))
+    per_token = prompt_rows / output_tokens  # prompt rows computed per output token
+    room = step_budget - max_num_seqs  # prompt rows a step has beside a full decode batch
+    need = max_num_seqs * per_token  # prompt rows per full batch of output tokens
+    # per full batch of output tokens: one decode step plus its prompt rows, or, when they exceed a
+    # step's room, as many full mixed steps as they fill
+    per_batch_s = max(decode_s + per_row_s * need, (decode_s + per_row_s * room) * need / room)
+    return {
+        "decode_step_s": decode_s,
+        "prompt_row_s": per_row_s,
+        "prompt_rows_per_output_token": per_token,
+        "full_mixed_steps": len(mixed),
+        "fraction_of_full_batch_decode": decode_s / per_batch_s,
+    }
+
+
 def summarize(
-    timings: list[RequestTiming], steps: list[StepRecord], wall_s: float, max_num_seqs: int
+    timings: list[RequestTiming],
+    steps: list[StepRecord],
+    wall_s: float,
+    max_num_seqs: int,
+    step_budget: int | None = None,
 ) -> dict[str, Any]:
     output = sum(t.output_tokens for t in timings)
     by_class: dict[str, list[RequestTiming]] = defaultdict(list)
@@ -177,5 +213,7 @@ def summarize(
                 "median_s": full_median,
                 "output_tokens_per_s": max_num_seqs / full_median if full_median else None,
             },
+            # what these step costs allow against that (None: no budget given, or too few steps)
+            "decode_bound": decode_bound(steps, output, max_num_seqs, step_budget) if step_budget else None,
         },
     }

@@ -74,6 +74,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"requests done to the last arrival, {st['output_tokens_per_s']:.1f} tok/s): "
             f"{ratios['base_only_vs_full_batch_decode_steady']:.3f}"
         ]
+    if "base_only_decode_bound" in ratios:
+        b = report["base_only"]["steps"]["decode_bound"]
+        lines += [
+            "what this run's own step costs allow against pure decode of a full batch (a prompt row "
+            f"{b['prompt_row_s'] * 1e6:.1f} us over a {b['decode_step_s'] * 1e3:.2f} ms full decode step, "
+            f"from {b['full_mixed_steps']} full mixed steps; "
+            f"{b['prompt_rows_per_output_token']:.2f} prompt rows per output token; every step with a "
+            f"full decode batch): {ratios['base_only_decode_bound']:.3f}"
+        ]
     if "output_tokens_per_s_http_vs_in_process" in ratios:
         lines += [
             "output tokens/s over HTTP (streaming, the bench's own server process) / in-process: "

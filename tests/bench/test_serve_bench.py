@@ -163,6 +163,37 @@ def test_steady_window_leaves_out_the_ramp_and_the_drain() -> None:
     assert steady_window(timings[:1], steps) is None  # its last arrival is before a quarter finished
 
 
+def test_decode_bound_from_the_runs_own_step_costs() -> None:
+    """Full decode steps of 4 rows take 10 ms; full mixed steps (budget 16: 3 decode + 13 prompt
+    rows) take 10 + 13 ms, 1 ms a prompt row. With 2 prompt rows per output token a batch of 4
+    output tokens costs 10 + 8 ms: 10 / 18 of pure decode. With 6 per output token its 24 prompt
+    rows fill two steps' room of 12 each: 2 x 22 ms, 10 / 44."""
+    from loraplex.bench.serve_metrics import StepRecord, decode_bound
+
+    decode = [StepRecord(float(t), 0.010, 4, 4, 0, 4, True) for t in range(5)]
+    mixed = [StepRecord(5.0 + t, 0.023, 16, 3, 0, 4, True) for t in range(3)]
+    odd = [StepRecord(9.0, 0.5, 11, 2, 0, 3, True), StepRecord(10.0, 0.5, 3, 3, 0, 3, True)]  # not full
+    steps = decode + mixed + odd
+    prompt_rows = 3 * 13 + 9
+    got = decode_bound(steps, prompt_rows // 2, 4, 16)
+    assert got is not None
+    assert got["decode_step_s"] == pytest.approx(0.010) and got["prompt_row_s"] == pytest.approx(0.001)
+    assert got["prompt_rows_per_output_token"] == pytest.approx(2)
+    assert got["fraction_of_full_batch_decode"] == pytest.approx(10 / 18)
+    many = decode_bound(steps, prompt_rows // 6, 4, 16)
+    assert many is not None and many["fraction_of_full_batch_decode"] == pytest.approx(10 / 44)
+    assert decode_bound(decode, 10, 4, 16) is None  # no full mixed step to price a prompt row
+
+
+def test_base_only_ratio_names_the_bound_of_its_step_costs(tmp_path: Path) -> None:
+    args = replace(ServeBenchArgs.smoke_args(), max_num_seqs=8, max_num_batched_tokens=16)
+    report = run(args, tmp_path, progress=False)
+    bound = report["base_only"]["steps"]["decode_bound"]
+    assert bound is not None and bound["full_mixed_steps"] > 0
+    assert report["ratios"]["base_only_decode_bound"] == bound["fraction_of_full_batch_decode"] <= 1
+    assert "what this run's own step costs allow" in (tmp_path / "serve.md").read_text()
+
+
 def test_budget_sweep_reruns_base_only_at_each_budget(tmp_path: Path) -> None:
     smoke = ServeBenchArgs.smoke_args()
     args = replace(smoke, workload=replace(smoke.workload, num_requests=16), budget_sweep=(8, 16))
