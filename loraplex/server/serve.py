@@ -139,6 +139,12 @@ def run_server(server: Server, host: str, port: int) -> None:
             "admin API is closed (set LORAPLEX_ADMIN_KEY or run `loraplex keys create --admin`)",
             file=sys.stderr,
         )
+    else:  # an admin key alone closes the open demo too: say so before the first 401 does
+        print(
+            "  API keys required: every request needs `Authorization: Bearer <key>` (a data key, or "
+            "an admin key acting as its tenant)",
+            file=sys.stderr,
+        )
     for ref in adapters:
         print(f"  model {ref.name!r} (adapter, revision {ref.revision[:12]})", file=sys.stderr)
     try:
