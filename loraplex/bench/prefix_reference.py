@@ -35,19 +35,11 @@ def reference_steps(
 ) -> list[list[tuple[int, float]]]:
     """Per request and output step: (the float32 argmax token, its top-2 logit margin)."""
     import torch
-    import transformers
-    from peft import PeftModel
 
-    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    model = model.to(device)  # before the adapters go in, so that they load there
+    from loraplex.bench.serve_hf import load_peft_model
+
     used = sorted({r.adapter for r in requests if r.adapter is not None})
-    if used:
-        model = PeftModel.from_pretrained(model, adapter_dirs[used[0]], adapter_name=used[0])
-        for name in used[1:]:
-            model.load_adapter(adapter_dirs[name], adapter_name=name)
-    model = model.to(device).eval()
+    model = load_peft_model(model_dir, {n: adapter_dirs[n] for n in used}, torch.float32, device)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, not TF32's 10-bit mantissas
     try:
@@ -77,7 +69,9 @@ def _forward(
     for i, s in enumerate(seqs):  # right-padded: positions stay those of the unpadded sequence
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
-    kwargs = {"adapter_names": [r.adapter or "__base__" for r in chunk]} if mixed else {}
+    from loraplex.bench.serve_hf import BASE
+
+    kwargs = {"adapter_names": [r.adapter or BASE for r in chunk]} if mixed else {}
     with torch.no_grad():
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs).logits
     out = []

@@ -21,6 +21,25 @@ from typing import Any
 BASE = "__base__"  # PEFT's adapter_names entry for a row on the base model
 
 
+def load_peft_model(model_dir: str, adapter_dirs: dict[str, str], dtype: Any, device: str) -> Any:  # noqa: ANN401
+    """transformers' model (sdpa attention) holding every adapter of `adapter_dirs` by its name, for
+    PEFT's `adapter_names` mixed batches; the plain model when there is none."""
+    import transformers
+    from peft import PeftModel
+
+    # on the device before the adapters go in, so that they load there (no host copy of the model)
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="sdpa"
+    )
+    model = model.to(device)
+    names = list(adapter_dirs)
+    if names:
+        model = PeftModel.from_pretrained(model, adapter_dirs[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(adapter_dirs[name], adapter_name=name)
+    return model.to(device).eval()
+
+
 def run_hf(
     model_dir: str,
     adapter_dirs: dict[str, str],
@@ -36,23 +55,13 @@ def run_hf(
     """Generate every prompt; adapters[i] indexes `names` (None: base). Returns throughput."""
     import torch
     import transformers
-    from peft import PeftModel
     from tqdm import tqdm
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    # on the device before the adapters go in, so that they load there (no host copy of the model)
-    base: Any = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation="sdpa"
-    )
-    base = base.to(device)
-    pad = int(base.config.pad_token_id if base.config.pad_token_id is not None else 0)
     used = sorted({names[a] for a in adapters if a is not None})
-    model: Any = base
-    if used:
-        model = PeftModel.from_pretrained(base, adapter_dirs[used[0]], adapter_name=used[0])
-        for name in used[1:]:
-            model.load_adapter(adapter_dirs[name], adapter_name=name)
-    model = model.to(device).eval()
+    model = load_peft_model(model_dir, {n: adapter_dirs[n] for n in used}, dtype, device)
+    config = model.config
+    pad = int(config.pad_token_id if config.pad_token_id is not None else 0)
 
     class Pace(transformers.StoppingCriteria):
         """Times every generated step; stops the batch once the deadline has passed."""

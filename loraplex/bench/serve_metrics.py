@@ -121,6 +121,12 @@ def steady_window(timings: list[RequestTiming], steps: list[StepRecord]) -> dict
     return {"from_s": lo, "to_s": hi, "output_tokens": tokens, "output_tokens_per_s": tokens / (hi - lo)}
 
 
+def full_decode_steps(steps: list[StepRecord], max_num_seqs: int) -> list[float]:
+    """Seconds of the pure decode steps of a full batch: the speed the engine would give if no
+    prompt ever arrived, which the output rate with prefill is compared against."""
+    return [s.seconds for s in steps if s.kind == "decode" and s.rows == max_num_seqs]
+
+
 def decode_bound(
     steps: list[StepRecord], output_tokens: int, max_num_seqs: int, step_budget: int
 ) -> dict[str, Any] | None:
@@ -130,7 +136,7 @@ def decode_bound(
     batch of decode rows, so no output is lost to a partly empty batch. Linear in prompt rows, which
     the GEMMs roughly are between one decode batch and the budget. What the run reaches against it
     is the scheduler's share of the gap; the rest is the kernels'. None without both kinds of step."""
-    full = [s.seconds for s in steps if s.kind == "decode" and s.rows == max_num_seqs]
+    full = full_decode_steps(steps, max_num_seqs)
     mixed = [s for s in steps if s.kind == "mixed" and s.rows == step_budget]
     prompt_rows = sum(s.rows - s.decode_rows for s in steps)
     if not full or not mixed or output_tokens == 0:
@@ -178,9 +184,7 @@ def summarize(
     # compiles or captures mid-traffic stands out here.
     outlier = max((max(v) / statistics.median(v) for v in buckets.values() if len(v) >= 3), default=None)
     decode = [s for s in steps if s.kind == "decode"]
-    # pure decode of a full batch, the speed the engine would give if no prompt ever arrived: what
-    # the output rate with prefill is compared against
-    full = [s.seconds for s in decode if s.rows == max_num_seqs]
+    full = full_decode_steps(steps, max_num_seqs)
     full_median = statistics.median(full) if full else None
     return {
         "wall_s": wall_s,
