@@ -40,6 +40,8 @@ def test_tiny_engine_bench_runs_both_modes(tmp_path) -> None:
     assert report["lora"]["lora_calls"] > 0
     for mode in ("base", "lora"):
         assert len(report[mode]["step_ms_all"]) == 3 and report[mode]["step_ms"] > 0
+        assert report[mode]["loop_step_ms"] > 0
+    assert report["base_loop_step_ms"] == report["base"]["loop_step_ms"]  # one pair: its own value
     assert set(report["bytes"]) == {"weights", "kv_read", "lora"}
     assert report["bytes"]["lora"] > 0 and report["floor_ms"] > 0
     assert report["floor_meaningful"] is False
@@ -56,6 +58,7 @@ def test_tiny_engine_bench_runs_both_modes(tmp_path) -> None:
         assert key in saved
     md = (tmp_path / "engine.md").read_text()
     assert "base-only step (ms)" in md and "LoRA / base" in md and "not meaningful on CPU" in md
+    assert "base-only step, back to back (ms)" in md
 
 
 def test_engine_bench_cli_tiny(tmp_path, capsys) -> None:
