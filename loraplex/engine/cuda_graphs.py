@@ -120,9 +120,11 @@ class StaticStepRunner:
         """The captured shape that runs this step, or None (eager)."""
         chunks = plan.chunks
         width = self.width  # a block table longer than the static one cannot be written
-        if any(len(c.seq.block_ids) > width for c in chunks):
-            return None
-        if all(c.num_tokens == 1 and c.completes for c in chunks):
+        for c in chunks:
+            if len(c.seq.block_ids) > width:
+                return None
+        # (the scheduler's flag saves a pass over the chunks on every steady decode step)
+        if plan.pure_decode or all(c.num_tokens == 1 and c.completes for c in chunks):
             b = batch_bucket(len(chunks), self.max_batch)
             if b is not None:
                 return StepShape.decode(b)

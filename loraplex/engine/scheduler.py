@@ -63,6 +63,9 @@ class StepPlan:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[str, ...]  # request ids preempted while planning this step
     cached_tokens: int = 0  # tokens the sequences admitted this step took from the prefix cache
+    # Every chunk is one decoding sequence's next row (it completes: a token is sampled). Set by
+    # the scheduler when it knows so without another pass; False says nothing.
+    pure_decode: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -195,7 +198,7 @@ class Scheduler:
         ready, policy = self.ready, self.policy
         max_seqs = self.config.max_num_seqs
         if preempted or not policy.waiting or (all_decode and running and self._hold_admissions(budget)):
-            return self._planned(chunks, preempted, 0)
+            return self._planned(chunks, preempted, 0, all_decode)
         # Passing over sequences whose adapter is not resident is bounded, so a long backlog of
         # them does not make every step O(waiting); those behind wait for the loads ahead.
         pass_over, skipped, cached_tokens = 4 * max_seqs, 0, 0
@@ -265,11 +268,14 @@ class Scheduler:
             candidates.close()  # a generator policy puts back what it looked at
         return self._planned(chunks, preempted, cached_tokens)
 
-    def _planned(self, chunks: list[ScheduledChunk], preempted: list[str], cached_tokens: int) -> StepPlan:
+    def _planned(
+        self, chunks: list[ScheduledChunk], preempted: list[str], cached_tokens: int, all_decode: bool = False
+    ) -> StepPlan:
         if self.policy.charges:  # service counted when planned: what fairness is measured in
             for c in chunks:
                 self.policy.charge(c.seq, c.num_tokens)
-        return StepPlan(tuple(chunks), tuple(preempted), cached_tokens)
+        # all_decode: the running pass planned only decode chunks (one row, uncomputed == 1)
+        return StepPlan(tuple(chunks), tuple(preempted), cached_tokens, all_decode and bool(chunks))
 
     def set_step_budget(self, tokens: int, admission_batch_tokens: int) -> None:
         """Plan at most `tokens` rows a step from now on, and batch admissions up to

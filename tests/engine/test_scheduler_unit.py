@@ -230,7 +230,7 @@ def test_finish_frees_blocks_of_running_and_forgets_waiting() -> None:
 def test_random_workloads_keep_the_bookkeeping_and_finish(knobs: dict[str, str | int]) -> None:
     rnd = random.Random(15)
     who = random.Random(16)  # tenants and priorities (the workloads stay those of `rnd`)
-    preemptions = 0
+    preemptions = pure_decode_plans = 0
     for trial in range(30):
         st = Stepper(
             num_blocks=rnd.randint(6, 16),
@@ -253,7 +253,9 @@ def test_random_workloads_keep_the_bookkeeping_and_finish(knobs: dict[str, str |
             assert seq.is_finished and len(seq.output_token_ids) == seq.params.max_tokens
             preemptions += seq.num_preemptions
         assert st.pool.num_used == 0
+        pure_decode_plans += st.pure_decode_plans
     assert preemptions > 0  # the workloads did exercise preemption
+    assert pure_decode_plans > 0  # and steady decode steps, whose flag each plan check verified
 
 
 def _batching_stepper(batch_tokens: int, max_wait_ms: int) -> Stepper:

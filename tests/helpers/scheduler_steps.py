@@ -43,6 +43,7 @@ class Stepper:
         self._arrivals = itertools.count()
         self.seqs: list[Sequence] = []
         self.sampled: list[str] = []  # request ids whose chunk completed in the last step
+        self.pure_decode_plans = 0  # plans flagged pure decode (each checked in `_check_plan`)
 
     def make(
         self,
@@ -105,6 +106,9 @@ class Stepper:
             assert len(c.seq.block_ids) == blocks(c.seq.num_computed + c.num_tokens)
             one_new_row = c.num_tokens == c.seq.num_uncomputed == 1 and bool(c.seq.output_token_ids)
             assert c.is_decode == one_new_row
+        if plan.pure_decode:  # the flag the graph runner trusts instead of its own pass
+            assert plan.chunks and all(c.num_tokens == 1 and c.completes for c in plan.chunks)
+            self.pure_decode_plans += 1
 
     def check(self) -> None:
         self.pool.check_integrity()
