@@ -27,8 +27,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         (f"bandwidth floor (ms){floor_note}", ms(report["floor_ms"])),
         ("base-only step (ms)", ms(report["base_step_ms"])),
         ("LoRA step (ms)", ms(report["lora_step_ms"])),
-        ("base-only step, back to back (ms)", ms(report.get("base_loop_step_ms"))),
-        ("LoRA step, back to back (ms)", ms(report.get("lora_loop_step_ms"))),
+        ("base-only step, one ahead (ms)", ms(report.get("base_loop_step_ms"))),
+        ("LoRA step, one ahead (ms)", ms(report.get("lora_loop_step_ms"))),
         (f"base / floor{floor_note}", ratio(report["base_over_floor"])),
         ("LoRA / base (median of pairs)", ratio(report["lora_over_base"])),
         ("LoRA / base, pair range", _range(report.get("lora_over_base_range"))),
@@ -58,8 +58,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Batch {a['batch']}, context {a['context']}, {a['adapters']} distinct adapters of rank {a['rank']} "
         f"on all seven targets (round-robin); median of {a['steps']} timed decode steps of `Engine.step()`,"
         f" {a.get('repeats', 1)} alternating base-only / LoRA pairs"
-        f' ({_mode_words(a)}), the device synchronized before and after each; "back to back": 20 more'
-        " steps with no synchronization between them (as `LLM.generate` runs them), per step.",
+        f' ({_mode_words(a)}), the device synchronized before and after each; "one ahead": 20 more'
+        " steps of `Engine.step_overlapped()` back to back, as `LLM.generate` and the server run them.",
         "",
         "| quantity | value |",
         "| --- | ---: |",

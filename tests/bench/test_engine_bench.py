@@ -58,7 +58,7 @@ def test_tiny_engine_bench_runs_both_modes(tmp_path) -> None:
         assert key in saved
     md = (tmp_path / "engine.md").read_text()
     assert "base-only step (ms)" in md and "LoRA / base" in md and "not meaningful on CPU" in md
-    assert "base-only step, back to back (ms)" in md
+    assert "base-only step, one ahead (ms)" in md
 
 
 def test_engine_bench_cli_tiny(tmp_path, capsys) -> None:
