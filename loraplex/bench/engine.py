@@ -8,7 +8,9 @@ hash: about 0.3 s of host time per full-size r=16 adapter, recorded as `register
 For each mode (base only, then LoRA with `adapters` distinct adapters assigned round-robin), the
 bench fills `batch` requests with `context` random prompt tokens, steps until every request is
 decoding, then times `steps` decode steps: wall time of `Engine.step()` (scheduling, the model,
-sampling, stop checks), synchronized on CUDA; the median is reported.
+sampling, stop checks), synchronized on CUDA; the median is reported. Then `LOOP_STEPS` more
+steps one ahead (`Engine.step_overlapped()` back to back, as `LLM.generate` and the server step),
+per completed step (`loop_step_ms`).
 
 floor = (weight bytes + KV bytes read + LoRA bytes of the distinct adapters) / copy bandwidth,
 where the copy bandwidth is measured in the same run (device-to-device on CUDA). On CPU a host
