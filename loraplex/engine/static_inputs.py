@@ -112,6 +112,13 @@ class StaticInputs:
         self.ctx_h = self.h32[:s]
         self.qstart_h = self.h32[s:table_at]
         self.table = self.h32[table_at:tiles_at].reshape(s, width)
+        # What each table row holds: (the block list it was written from, entries written). A
+        # sequence's `block_ids` only grows in place (`extend`) or is replaced by a new list
+        # (freed, or admitted with cached blocks), so the same list object with more entries needs
+        # only its new tail written; anything else, the whole row. Holding the list keeps its
+        # identity from being reused. A decode row's table is otherwise ~70 ints per row and step
+        # at a 1k context (list -> int32 conversion: ~0.13 ms a step of 64 on the CPU).
+        self._rows: list[tuple[list[int], int] | None] = [None] * s
         self.tiles_h = self.h32[tiles_at:]
         if not shape.mixed:
             self.qstart_h[:] = np.arange(s + 1)  # one query row per sequence, always
@@ -162,7 +169,7 @@ class StaticInputs:
         pending position (row, sequence): their ids are written on the device."""
         self._writable()
         b, n, bs = self.shape.rows, len(chunks), block_size
-        ids, pos_h, slots, ctx, table = self.ids_h, self.pos_h, self.slots_h, self.ctx_h, self.table
+        ids, pos_h, slots, ctx = self.ids_h, self.pos_h, self.slots_h, self.ctx_h
         pending: list[tuple[int, Any]] = []
         row = self._row
         for i, chunk in enumerate(chunks):
@@ -171,7 +178,7 @@ class StaticInputs:
             blocks = seq.block_ids
             row(i, seq, pos, blocks, bs, pending)
             ctx[i] = pos + 1
-            table[i, : len(blocks)] = blocks
+            self._table_row(i, blocks)
         ids[n:b] = 0
         pos_h[n:b] = 0
         slots[n:b] = -1
@@ -186,7 +193,7 @@ class StaticInputs:
         completing chunk) go to the front of `sample rows`."""
         self._writable()
         bs, tile_rows = block_size, self.tile_rows
-        ids, pos_h, slots, ctx, table = self.ids_h, self.pos_h, self.slots_h, self.ctx_h, self.table
+        ids, pos_h, slots, ctx = self.ids_h, self.pos_h, self.slots_h, self.ctx_h
         qstart, tiles, sample = self.qstart_h, self.tiles_h, self.sample_h
         runs: list[tuple[int, int, int]] = []
         pending: list[tuple[int, Any]] = []
@@ -198,7 +205,7 @@ class StaticInputs:
             blocks = seq.block_ids
             qstart[i] = row
             ctx[i] = start + n
-            table[i, : len(blocks)] = blocks
+            self._table_row(i, blocks)
             if n == 1:  # a decode row: scalar writes (most chunks of a mixed step)
                 self._row(row, seq, start, blocks, bs, pending)
             else:
@@ -223,6 +230,17 @@ class StaticInputs:
         tiles[n_tiles:] = -1
         sample[n_sample:] = 0  # gathered, never read
         return runs, pending
+
+    def _table_row(self, i: int, blocks: list[int]) -> None:
+        """Block table row i := blocks (see `_rows`: only what changed is written)."""
+        n = len(blocks)
+        held = self._rows[i]
+        if held is not None and held[0] is blocks and n >= held[1]:
+            if n > held[1]:
+                self.table[i, held[1] : n] = blocks[held[1] :]
+        else:
+            self.table[i, :n] = blocks
+        self._rows[i] = (blocks, n)
 
     def _row(self, row: int, seq: Any, pos: int, blocks: list[int], bs: int, pending: list) -> None:  # noqa: ANN401
         """One row at `pos` of `seq`: its id (0 and noted in `pending` at a pending position, whose

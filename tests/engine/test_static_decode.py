@@ -37,6 +37,16 @@ def _llms(tmp_path: Path, max_batch: int) -> tuple[LLM, LLM]:
     return llms
 
 
+def _assert_same_outputs(eager: list, static: list, adapters: list[str | None]) -> None:
+    """The same tokens, and logprobs within 1e-5, request by request."""
+    for i, (a, b) in enumerate(zip(eager, static, strict=True)):
+        assert a.token_ids == b.token_ids, f"request {i} ({adapters[i]})"
+        for lpa, lpb in zip(a.logprobs, b.logprobs, strict=True):
+            assert lpa.keys() == lpb.keys()
+            for t in lpa:
+                assert lpa[t] == pytest.approx(lpb[t], abs=1e-5), (i, t)
+
+
 def test_batch_buckets() -> None:
     assert [batch_bucket(n, 256) for n in (1, 3, 5, 17, 33, 64, 65, 200, 256)] == [
         1, 4, 8, 24, 48, 64, 96, 224, 256,
@@ -73,12 +83,7 @@ def test_static_decode_matches_eager(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert runner is not None and runner.replays >= 20
     assert {k.shape.rows for k in runner._graphs} >= {24, 16, 8}  # several buckets were used
     assert any(k.lora and k.lora.segments >= 4 for k in runner._graphs)  # 4+ segments: the cut r16 rows
-    for i, (a, b) in enumerate(zip(out_eager, out_static, strict=True)):
-        assert a.token_ids == b.token_ids, f"request {i} ({adapters[i]})"
-        for lpa, lpb in zip(a.logprobs, b.logprobs, strict=True):
-            assert lpa.keys() == lpb.keys()
-            for t in lpa:
-                assert lpa[t] == pytest.approx(lpb[t], abs=1e-5), (i, t)
+    _assert_same_outputs(out_eager, out_static, adapters)
     static.engine.check_integrity()
     # static steps ran o, gate_up and down beside their GEMMs (qkv in place); eager steps never
     assert beside and all(beside)
@@ -144,3 +149,41 @@ def test_warm_up_records_every_graph_a_decode_step_can_need(tmp_path: Path) -> N
         while e.has_unfinished():
             e.step()
     assert runner.replays > 10 and set(runner._graphs) == keys
+
+
+def test_static_block_tables_follow_preemption_and_prefix_hits(tmp_path: Path) -> None:
+    """The static buffers write a block-table row only where it changed (`StaticInputs._rows`):
+    a sequence that is preempted and readmitted, or admitted onto cached prefix blocks, gets a new
+    block list, possibly as long as its old one, in a row that may be its own again. A KV pool
+    too small for the batch forces preemptions; prompts sharing 32 tokens give prefix hits. Every
+    output must equal the plain eager engine's, which writes no static table."""
+    hf = build_hf_model("llama", seed=5)
+    model_dir = save_hf_model(hf, tmp_path / "base")
+    kw = dict(max_num_batched_tokens=64, block_size=4, num_kv_blocks=40, max_num_seqs=8)
+    eager, static = LLM(model_dir, **kw), LLM(model_dir, **kw)
+    e = static.engine
+    e.runner.static_steps = e.static_step_runner(8, capture=False)
+    preempt = e.scheduler._preempt
+    preempted: list[str] = []
+
+    def counting(seq):  # noqa: ANN001, ANN202
+        preempted.append(seq.request_id)
+        return preempt(seq)
+
+    e.scheduler._preempt = counting
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 97, (32,), generator=g).tolist()
+    prompts = [
+        (shared if i % 2 else []) + torch.randint(3, 97, (int(n),), generator=g).tolist()
+        for i, n in enumerate(torch.randint(2, 12, (14,)))
+    ]
+    params = [
+        SamplingParams(max_tokens=18 + i % 5, temperature=0.0, logprobs=1, ignore_eos=True) for i in range(14)
+    ]
+    out_eager = eager.generate(prompts, params)
+    out_static = static.generate(prompts, params)
+    assert e.runner.static_steps is not None and e.runner.static_steps.replays >= 10
+    assert preempted, "the pool was meant to force preemptions"
+    assert e.prefix_cache is not None and e.prefix_cache.stats.hit_blocks > 0
+    _assert_same_outputs(out_eager, out_static, [None] * len(prompts))
+    e.check_integrity()
