@@ -315,6 +315,7 @@ def run(args: EngineBenchArgs, out_dir: Path | None = None, plot_png: bool = Tru
         "base": base,  # the first repeat's details (its timed steps, profile)
         "lora": lora,
         "pairs": pairs,  # per repeat: median base-only and LoRA step
+        "loop_steps": LOOP_STEPS,
         "base_step_ms": base_ms,
         "lora_step_ms": statistics.median(p["lora_ms"] for p in pairs) if lora else None,
         # the same steps one ahead, back to back (`_loop_step_ms`), medians over the pairs
