@@ -58,7 +58,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Batch {a['batch']}, context {a['context']}, {a['adapters']} distinct adapters of rank {a['rank']} "
         f"on all seven targets (round-robin); median of {a['steps']} timed decode steps of `Engine.step()`,"
         f" {a.get('repeats', 1)} alternating base-only / LoRA pairs"
-        f' ({_mode_words(a)}), the device synchronized before and after each; "one ahead":'
+        f' ({_mode_words(a)}), the stream synchronized before and after each; "one ahead":'
         f" {report.get('loop_steps', 20)} more steps of `Engine.step_overlapped()` back to back, as"
         " `LLM.generate` and the server run them.",
         "",
