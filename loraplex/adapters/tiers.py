@@ -70,6 +70,11 @@ class ColdLoadLimited(AdapterLoadError):
         self.retry_after_s = retry_after_s
 
 
+class AdapterTooLarge(AdapterLoadError):
+    """Refused at admission: the revision needs more device bytes than the whole device budget, so
+    no eviction can ever make room for it."""
+
+
 class AdapterTiers:
     def __init__(
         self,
@@ -172,6 +177,9 @@ class AdapterTiers:
     def admit(self, revision: str) -> str:
         """A request for `revision` was admitted: count the tier it was found in (device, host or
         disk), record the use, and start its load. Raises AdapterLoadError when it can never load."""
+        why = self.too_large(revision)
+        if why is not None:
+            raise AdapterTooLarge(why)
         self.policy.touch(revision, self.clock())
         if self.residency.state(revision) is Residency.RESIDENT:
             tier = "device"
@@ -191,6 +199,18 @@ class AdapterTiers:
             self.counts["stalled"] += 1
             self._start(revision)
         return tier
+
+    def too_large(self, revision: str) -> str | None:
+        """Why `revision` can never be on the device (more bytes than the whole device budget), or
+        None."""
+        size = self._sizes.get(revision, 0)
+        if size <= self.pool.budget_bytes:
+            return None
+        return (
+            f"adapter revision {revision[:12]} needs {size} bytes of adapter device memory, more than "
+            f"the whole adapter device budget of {self.pool.budget_bytes} bytes "
+            f"(--adapter-device-bytes)"
+        )
 
     def ready(self, revision: str) -> bool:
         """Whether a sequence on `revision` may run now; if not, its load is under way."""
@@ -314,10 +334,8 @@ class AdapterTiers:
             return True
         size = self.pool.footprint(weights)
         if size > self.pool.budget_bytes:
-            self._failed[revision] = (
-                f"it needs {size} device bytes, more than the adapter device budget of "
-                f"{self.pool.budget_bytes}"
-            )
+            self._sizes[revision] = size
+            self._failed[revision] = self.too_large(revision) or ""
             return True
         if size > self.pool.free_bytes and not self._make_room(revision, size):
             return False

@@ -137,6 +137,33 @@ class ControlService:
             if progress:
                 new = "registered" if reg.created else "already registered"
                 print(f"  adapter {name}@{reg.revision[:12]} ({new})", file=sys.stderr)
+            if not reg.created:
+                self._say_what_the_name_serves(name, reg.revision)
+
+    def _say_what_the_name_serves(self, name: str, revision: str) -> None:
+        """A restart with the same `--adapter NAME=DIR` finds the directory's revision registered,
+        but the registry decides what NAME serves: its newest active revision, which may have been
+        published (or this one retired) since. The operator should not have to find that out from
+        the outputs."""
+        rec = self.db.get(name, revision)
+        if rec is not None and rec.state != "active":
+            print(
+                f"warning: {name}@{revision[:12]} from the command line is {rec.state} in the "
+                f"registry and is not served (a retired revision stays retired)",
+                file=sys.stderr,
+            )
+            return
+        try:
+            served = self.db.resolve(name).revision
+        except RegistryError:
+            return
+        if served != revision:
+            print(
+                f"warning: '{name}' serves {served[:12]}, published after {revision[:12]} (the "
+                f"command line's directory); `loraplex adapters retire {name}@{served[:12]}` "
+                f"to serve the directory's revision again",
+                file=sys.stderr,
+            )
 
     def load_registered(self) -> None:
         """Serve every active revision from the store, oldest first (so each name's newest is its

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.adapters.registry import RetiredAdapterError, UnknownAdapterError
-from loraplex.adapters.tiers import ColdLoadLimited
+from loraplex.adapters.tiers import AdapterTooLarge, ColdLoadLimited
 from loraplex.server.admin_api import add_admin_routes
 from loraplex.server.async_engine import AsyncEngine
 from loraplex.server.auth import KeyTable, Principal
@@ -214,6 +214,8 @@ async def _respond(
         raise APIError(400, str(err)) from None
     except ColdLoadLimited as err:  # the adapter's tenant is over its cold-load rate, and refuses
         raise too_many(str(err), max(1, math.ceil(err.retry_after_s))) from None
+    except AdapterTooLarge as err:  # no retry can help: a 4xx, which clients do not retry
+        raise APIError(400, str(err), code="adapter_exceeds_device_budget") from None
     if prepared.stream:
         chunks = renderer.stream(
             request_id, prepared.model, runs, streams, prepared.chat, prepared.include_usage

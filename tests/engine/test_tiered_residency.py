@@ -19,6 +19,7 @@ from helpers.tiny_models import build_hf_model, make_peft_adapter, save_hf_model
 from loraplex import LLM, AdapterRef, SamplingParams
 from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
 from loraplex.adapters.revision import adapter_revision
+from loraplex.adapters.tiers import AdapterTooLarge
 from loraplex.engine.engine import Engine
 from loraplex.lora.weights import AdapterWeights
 
@@ -129,6 +130,28 @@ def test_two_hundred_requests_fifty_adapters_four_slots(env: dict) -> None:
     assert all(e.output(rid).finished for rid, _, _ in requests)
     assert outs == _reference(env, requests)
     assert e.tiers.stats()["disk"]["loads"] > 0  # type: ignore[index]
+
+
+def test_an_adapter_larger_than_the_whole_device_budget_is_refused_at_admission(
+    env: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No eviction can make room for it: registering says so, a request for it is refused with the
+    sizes (not queued to end empty), and every other request runs as if it had never come."""
+    pool = env["ref"].engine.tiers.pool
+    sizes = [pool.footprint(imp.weights) for imp in env["imported"][:6]]
+    small, big = sizes.index(min(sizes)), sizes.index(max(sizes))
+    assert sizes[big] > sizes[small]
+    e = LLM(env["model_dir"], max_num_seqs=32, adapter_device_bytes=sizes[small]).engine
+    e.register_imported(f"a{small}", env["imported"][small])
+    e.register_imported(f"a{big}", env["imported"][big])
+    warned = capsys.readouterr().err
+    assert f"warning: a{big}: " in warned and f"needs {sizes[big]} bytes" in warned
+    assert f"a{small}:" not in warned
+    with pytest.raises(AdapterTooLarge, match=f"more than the whole adapter device budget of {sizes[small]}"):
+        e.add_request("too-big", _prompt(1), GREEDY, f"a{big}")
+    e.check_integrity()  # it holds nothing
+    requests = [(f"s{i}", _prompt(i), f"a{small}" if i % 2 else None) for i in range(6)]
+    assert _drive(e, requests, per_step=2) == _reference(env, requests)
 
 
 def test_pressure_never_evicts_a_slot_in_use(env: dict) -> None:

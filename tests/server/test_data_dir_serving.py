@@ -52,3 +52,45 @@ def test_one_server_per_data_directory(tmp_path: Path) -> None:
         settings = ServerSettings(model=MODEL, data_dir=str(tmp_path))
         with pytest.raises(DataDirLockedError, match="talk to that server"):
             build_server(settings, EngineConfig(model_dir=MODEL), progress=False)
+
+
+def test_a_restart_says_when_the_name_serves_another_revision(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command line's directory registers once; a revision published under the same name
+    afterwards is what the name serves after a restart, and the startup says so (and how to
+    serve the directory's revision again); once that newer one is retired it says nothing."""
+    data = str(tmp_path / "data")
+    config = EngineConfig(model_dir=MODEL)
+
+    def start(adapters: dict[str, str]) -> tuple[str | None, str]:
+        server = build_server(ServerSettings(model=MODEL, data_dir=data, adapters=adapters), config, False)
+        registry = server.async_engine.engine.adapters
+        live = [
+            e.ref.revision for e in registry.list() if e.ref.name == "flip" and not registry.is_retired(e.ref)
+        ]
+        served = registry.latest("flip").revision if live else None
+        server.control.close()
+        return served, capsys.readouterr().err
+
+    first, said = start({"flip": str(DEMO_ADAPTERS["reverse"])})
+    assert "warning" not in said
+    newer, said = start({"flip": str(DEMO_ADAPTERS["upper"])})  # publishes a second revision
+    assert newer != first and "warning" not in said
+    served, said = start({"flip": str(DEMO_ADAPTERS["reverse"])})
+    assert served == newer
+    assert f"'flip' serves {newer[:12]}, published after {first[:12]}" in said
+    assert f"loraplex adapters retire flip@{newer[:12]}" in said
+    db = RegistryDB.in_dir(data)
+    db.set_state("flip", newer, "draining", "test")
+    db.set_state("flip", newer, "retired", "test")
+    db.close()
+    served, said = start({"flip": str(DEMO_ADAPTERS["reverse"])})
+    assert served == first and "warning" not in said
+    db = RegistryDB.in_dir(data)
+    db.set_state("flip", first, "draining", "test")
+    db.set_state("flip", first, "retired", "test")
+    db.close()
+    served, said = start({"flip": str(DEMO_ADAPTERS["reverse"])})
+    assert served is None
+    assert f"flip@{first[:12]} from the command line is retired in the registry" in said

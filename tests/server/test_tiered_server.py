@@ -56,3 +56,31 @@ def test_room_for_one_demo_adapter(
         assert sum(float(n) for n in loads) == body["tiers"]["loads"]  # loads: the histogram's counts
         for gone in ("loraplex_adapter_tier_hits", "loraplex_adapter_residency_events"):
             assert gone not in metrics  # one series per number: the counters above
+
+
+def test_an_adapter_larger_than_the_device_budget_gets_a_clear_400(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for the smallest demo adapter only: a request for the largest is refused with its size
+    and the budget's flag, non-streaming and streaming, not answered with an empty aborted text;
+    the other adapters keep answering right."""
+    monkeypatch.setenv("LORAPLEX_ADMIN_KEY", ADMIN)
+    sizes = {name: demo_footprint(path) for name, path in DEMO_ADAPTERS.items()}
+    small, big = min(sizes, key=sizes.__getitem__), max(sizes, key=sizes.__getitem__)
+    assert sizes[big] > sizes[small]
+    lora = LoRAConfig(adapter_device_bytes=sizes[small])
+    demo = {k: str(v) for k, v in DEMO_ADAPTERS.items()}
+    prompt = make_prompt(held_out_inputs(1)[0])
+    reference = LLM(MODEL)
+    reference.register_adapter(small, demo[small])
+    want = reference.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0), [small])[0].text
+    with live_server(MODEL, demo, lora=lora) as (base, _):
+        for stream in (False, True):
+            body = {"model": big, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": stream}
+            refused = httpx.post(f"{base}/v1/completions", json=body, headers=auth(ADMIN), timeout=60)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "adapter_exceeds_device_budget"
+            assert (
+                f"needs {sizes[big]} bytes" in error["message"]
+                and "--adapter-device-bytes" in error["message"]
+            )
+        assert complete(base, ADMIN, small, prompt).json()["choices"][0]["text"] == want
