@@ -87,3 +87,4 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    error: str | None = None  # set when the engine ended the request itself ("abort"): why

@@ -186,4 +186,9 @@ class AdapterAdmission:
             return []
         for revision, why in failures.items():
             print(f"adapter revision {revision[:12]} failed to load: {why}", file=sys.stderr)
-        return [s for s in waiting if s.adapter and s.adapter.revision in failures]
+        doomed = [s for s in waiting if s.adapter and s.adapter.revision in failures]
+        for seq in doomed:
+            ref = seq.adapter
+            assert ref is not None
+            seq.error = f"adapter {ref.name}@{ref.revision[:12]} was not loaded: {failures[ref.revision]}"
+        return doomed

@@ -273,6 +273,7 @@ class Engine(StepPipeline):
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
+            error=seq.error,
         )
 
     def sequence(self, request_id: str) -> Sequence:

@@ -39,6 +39,7 @@ class Sequence:
     text: str = ""
     detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
+    error: str | None = None  # why an "abort" the request did not ask for happened (a failed adapter load)
     waiting_since: float = 0.0  # the scheduler's clock (monotonic) when it last entered the waiting queue
     # Residency measurements (`engine/adapter_admission.py`): the tier its adapter was in at
     # admission (None: no adapter), when it was admitted, and since when it waits for a load.

@@ -35,6 +35,7 @@ class OutputDelta(NamedTuple):
     prompt_logprobs: list[Logprobs | None] | None = None
     adapter: AdapterRef | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (usage's cached_tokens)
+    error: str | None = None  # the last delta of a request the engine ended itself: why
 
 
 class Cursor:
@@ -79,6 +80,8 @@ class Cursor:
             seq.status is SequenceStatus.FINISHED,
             seq.finish_reason,
         )
+        if seq.error is not None:
+            delta = delta._replace(error=seq.error)
         if self.started:
             return delta
         self.started = True
@@ -94,6 +97,8 @@ class Cursor:
     def of_output(self, out: RequestOutput) -> OutputDelta:
         """The delta of a snapshot (an aborted request's final output)."""
         delta = self.advance(out.token_ids, out.text, out.logprobs, out.finished, out.finish_reason)
+        if out.error is not None:
+            delta = delta._replace(error=out.error)
         if self.started:
             return delta
         self.started = True
@@ -146,6 +151,7 @@ class Accumulator:
             first.prompt_logprobs,
             first.adapter,
             first.num_cached_tokens,
+            last.error,
         )
 
     def output(self, request_id: str) -> RequestOutput:
@@ -162,4 +168,5 @@ class Accumulator:
             finished=last.finished,
             finish_reason=last.finish_reason,
             num_cached_tokens=first.num_cached_tokens,
+            error=last.error,
         )

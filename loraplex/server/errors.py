@@ -28,3 +28,9 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def load_failed(why: str) -> APIError:
+    """A request the engine ended itself because its adapter could not be loaded (the store lost
+    the revision, or the load raised): a server-side failure, which a retry may get past."""
+    return APIError(503, why, type_="server_error", code="adapter_load_failed")

@@ -32,6 +32,7 @@ from loraplex.server.async_engine import AsyncEngine
 from loraplex.server.auth import KeyTable, Principal
 from loraplex.server.choices import ChoiceRun, collect, run_choices
 from loraplex.server.control import ControlService
+from loraplex.server.errors import load_failed
 from loraplex.server.guard import Guard
 from loraplex.server.limits import ServerLimits, TenantQuotas, too_many
 from loraplex.server.metrics import ServerMetrics
@@ -229,6 +230,9 @@ async def _respond(
     finals = await collect(async_engine, request, request_id, runs, streams)
     if finals is None:
         return Response(status_code=499)  # client went away; its requests are aborted
+    error = next((f.error for f in finals if f.error is not None), None)
+    if error is not None:  # the engine ended a choice itself (its adapter could not be loaded)
+        raise load_failed(error)
     return JSONResponse(renderer.full(request_id, prepared.model, runs, finals, prepared.chat))
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from loraplex.server.choices import ChoiceRun
 from loraplex.server.deltas import Accumulator, OutputDelta
+from loraplex.server.errors import load_failed
 from loraplex.types import Logprobs, RequestOutput
 
 
@@ -253,6 +254,8 @@ class Renderer:
                             offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                         choice = {"index": run.index, "text": text, "logprobs": lp}
                     num_tokens[i] += len(delta.token_ids)
+                    if delta.error is not None:  # headers are sent: the error goes as an event
+                        yield load_failed(delta.error).body()
                     choice["finish_reason"] = delta.finish_reason if delta.finished else None
                     finished[i] = delta.finished
                     if text or delta.finished or lp is not None:

@@ -154,6 +154,31 @@ def test_an_adapter_larger_than_the_whole_device_budget_is_refused_at_admission(
     assert _drive(e, requests, per_step=2) == _reference(env, requests)
 
 
+def test_a_failed_load_ends_its_requests_with_the_reason_and_nothing_else(env: dict) -> None:
+    """The store cannot give back an evicted adapter: its requests end as "abort" with why (which
+    the server turns into an error response), and every other request's output stays right."""
+    e = _tiered(env, room=1, n=3, host_bytes=0)
+    good = e.tiers.source
+    assert good is not None
+
+    def damaged(revision: str) -> AdapterWeights:
+        if revision == adapter_revision(env["imported"][1]):
+            raise OSError(f"store file of {revision[:12]} is damaged")
+        return good(revision)
+
+    e.tiers.source = damaged
+    requests = [(f"f{i}", _prompt(i), (None, "a0", "a2")[i % 3]) for i in range(6)]
+    e.add_request("lost", _prompt(9), GREEDY, "a1")
+    assert _drive(e, requests, per_step=2) == _reference(env, requests)
+    lost = e.output("lost")
+    assert lost.finished and lost.finish_reason == "abort" and not lost.token_ids
+    assert lost.error is not None and lost.error.startswith("adapter a1@") and "is damaged" in lost.error
+    e.release("lost")
+    e.tiers.source = good  # the store is whole again: the next request for it loads and runs
+    again = [("back", _prompt(9), "a1")]
+    assert _drive(e, again, per_step=1) == _reference(env, again)
+
+
 def test_pressure_never_evicts_a_slot_in_use(env: dict) -> None:
     """Slow steps while loads finish on the loader thread: every slot a step runs keeps its
     weights (same tensors, same bytes) through the step, and outputs stay right."""

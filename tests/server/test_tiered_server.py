@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.admin_server import ADMIN, MODEL, admin, auth, complete, demo_footprint, sources
+from helpers.admin_server import ADMIN, MODEL, admin, auth, complete, demo_footprint, sources, text
 from helpers.live_server import live_server
 
 from loraplex import LLM, SamplingParams
@@ -84,3 +84,41 @@ def test_an_adapter_larger_than_the_device_budget_gets_a_clear_400(monkeypatch: 
                 and "--adapter-device-bytes" in error["message"]
             )
         assert complete(base, ADMIN, small, prompt).json()["choices"][0]["text"] == want
+
+
+def test_an_adapter_the_store_lost_gets_an_error_not_an_empty_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for the largest demo adapter, no host tier: another adapter comes back from the store.
+    With its store file gone, a request for it gets a 503 naming it (streaming: an error event),
+    and the other adapters keep answering right."""
+    monkeypatch.setenv("LORAPLEX_ADMIN_KEY", ADMIN)
+    sizes = {name: demo_footprint(path) for name, path in DEMO_ADAPTERS.items()}
+    lora = LoRAConfig(adapter_device_bytes=max(sizes.values()), adapter_host_bytes=0)
+    demo = {k: str(v) for k, v in DEMO_ADAPTERS.items()}
+    reference = LLM(MODEL)
+    for name, path in demo.items():
+        reference.register_adapter(name, path)
+    outs = reference.generate(
+        ["abc="] * len(demo), SamplingParams(max_tokens=16, temperature=0.0), list(demo)
+    )
+    want = {name: out.text for name, out in zip(demo, outs, strict=True)}
+    with live_server(MODEL, demo, lora=lora) as (base, server):
+        engine = server.async_engine.engine
+        lost = next(
+            name
+            for name in demo
+            if not engine.residency.is_resident(engine.adapters.latest(name).revision)
+            and engine.adapters.latest(name).revision not in engine.tiers.host
+        )
+        server.control.store.path(engine.adapters.latest(lost).revision).unlink()
+        refused = complete(base, ADMIN, lost)
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "adapter_load_failed" and error["message"].startswith(f"adapter {lost}@")
+        streamed = complete(base, ADMIN, lost, stream=True)
+        assert streamed.status_code == 200  # the headers went out before the load failed
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert any('"adapter_load_failed"' in event for event in events), events
+        assert events[-1] == "[DONE]"
+        for name in demo:
+            if name != lost:
+                assert text(complete(base, ADMIN, name)) == want[name]
