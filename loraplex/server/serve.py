@@ -126,6 +126,10 @@ def _default_name(model_dir: str) -> str:
     return Path(model_dir).resolve().name
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
 def run_server(server: Server, host: str, port: int) -> None:
     import uvicorn
 
@@ -145,6 +149,13 @@ def run_server(server: Server, host: str, port: int) -> None:
             "an admin key acting as its tenant)",
             file=sys.stderr,
         )
+    tiers = server.async_engine.engine.tiers
+    print(
+        f"  adapter memory: device pool {_mib(tiers.pool.budget_bytes)} (--adapter-device-bytes; "
+        f"{tiers.residency.num_resident} adapter revisions on it now), host tier "
+        f"{_mib(tiers.host.budget_bytes)} (--adapter-host-bytes); others load on first request",
+        file=sys.stderr,
+    )
     for ref in adapters:
         print(f"  model {ref.name!r} (adapter, revision {ref.revision[:12]})", file=sys.stderr)
     try:
