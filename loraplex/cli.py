@@ -271,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # an adapter that cannot be loaded is the user's to fix, too
+        from loraplex.adapters.tiers import AdapterLoadError
+
+        if not isinstance(err, AdapterLoadError):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 1
 
 

@@ -90,3 +90,19 @@ def test_serve_refuses_duplicate_flags_and_config_collisions(
     assert (
         "adapter name 'tenant' is given twice (the config file's [adapters] and --adapter tenant=/x)" in err
     )
+
+
+def test_generate_with_an_adapter_larger_than_the_device_budget_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loraplex.demo import DEMO_ADAPTERS, DEMO_MODEL_DIR
+
+    rc = cli.main(
+        [
+            "generate", "--model", str(DEMO_MODEL_DIR), "--adapter-device-bytes", "300000",
+            "--adapter", f"reverse={DEMO_ADAPTERS['reverse']}", "--prompt", "abc=", "--max-tokens", "4",
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "error: adapter revision" in err and "more than the whole adapter device budget of 300000" in err
