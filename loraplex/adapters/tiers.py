@@ -204,8 +204,9 @@ class AdapterTiers:
         """Why `revision` can never be on the device (more bytes than the whole device budget), or
         None."""
         size = self._sizes.get(revision, 0)
-        if size <= self.pool.budget_bytes:
-            return None
+        return None if size <= self.pool.budget_bytes else self._over_budget(revision, size)
+
+    def _over_budget(self, revision: str, size: int) -> str:
         return (
             f"adapter revision {revision[:12]} needs {size} bytes of adapter device memory, more than "
             f"the whole adapter device budget of {self.pool.budget_bytes} bytes "
@@ -333,9 +334,8 @@ class AdapterTiers:
         if self.residency.state(revision) is Residency.RESIDENT:
             return True
         size = self.pool.footprint(weights)
-        if size > self.pool.budget_bytes:
-            self._sizes[revision] = size
-            self._failed[revision] = self.too_large(revision) or ""
+        if size > self.pool.budget_bytes:  # (admission refuses these; a guard, not a path)
+            self._failed[revision] = self._over_budget(revision, size)
             return True
         if size > self.pool.free_bytes and not self._make_room(revision, size):
             return False
