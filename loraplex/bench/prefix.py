@@ -39,7 +39,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from loraplex.bench.prefix_reference import ReferenceRequest, compare_with_reference, reference_steps
+from loraplex.bench.prefix_reference import (
+    ReferenceRequest,
+    agreement_by_run,
+    compare_with_reference,
+    reference_steps,
+)
 from loraplex.bench.serve_metrics import percentiles
 from loraplex.bench.serve_model import ServeBenchArgs, build_engine, prompt_ids
 from loraplex.bench.workloads import Workload, WorkloadRequest, WorkloadSpec, generate
@@ -349,6 +354,9 @@ def run(args: PrefixBenchArgs, out_dir: Path | None = None, progress: bool = Tru
         _say(progress, "transformers + PEFT in float32 along the cold run's tokens")
         refs = reference_steps(*reference, args.device)
         report["fp32_reference"] = compare_with_reference(runs["cold"], runs["warm"], refs)
+        report["fp32_reference"]["by_run"] = agreement_by_run(runs, refs)
+        for req, ref in zip(runs["cold"]["requests"], refs, strict=True):
+            req["reference"] = [[token, round(margin, 4)] for token, margin in ref]
     same = report["outputs"]["warm_vs_cold"]
     decided = report.get("fp32_reference")
     report["target"] = {

@@ -122,3 +122,42 @@ def compare_with_reference(
         "failures": failures,
         "pass": not failures and checked > 0,
     }
+
+
+def agreement_by_run(
+    runs: dict[str, dict[str, Any]], refs: Sequence[Sequence[tuple[int, float]]]
+) -> dict[str, dict[str, Any]]:
+    """How closely each run follows the float32 reference, with or without prefix-cache hits.
+
+    The reference is teacher-forced along the cold run's tokens, so a run is checked at a step
+    only while its tokens so far equal the cold run's (its context is the reference's). At each
+    such step the reference decides (margin >= MARGIN), the run either picks the reference's token
+    or not. `largest_margin_missed` is the run's noise floor against float32: no disagreement was
+    seen at any larger margin. A run without prefix hits (`cold_unshared`, `cache_off`) measures
+    the floor of the engine's dtype alone; a hit run whose floor and disagreement rate are no worse
+    adds no error of its own.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    cold = runs["cold"]["requests"]
+    for name, run in runs.items():
+        if name == "prime":
+            continue
+        checked = missed = 0
+        largest = 0.0
+        for c, r, ref in zip(cold, run["requests"], refs, strict=True):
+            for step, token in enumerate(r["token_ids"]):
+                want, margin = ref[step]
+                if margin >= MARGIN:
+                    checked += 1
+                    if token != want:
+                        missed += 1
+                        largest = max(largest, margin)
+                if token != c["token_ids"][step]:
+                    break  # its context is no longer the reference's
+        out[name] = {
+            "steps_checked": checked,
+            "missed": missed,
+            "missed_fraction": missed / checked if checked else None,
+            "largest_margin_missed": largest if missed else None,
+        }
+    return out

@@ -97,6 +97,22 @@ def markdown(report: dict[str, Any]) -> str:
                 f"- request {f['index']} step {f['step']}: cold {f['cold']}, warm {f['warm']}, "
                 f"float32 {f['reference']} (margin {f['margin']:.3f})"
             )
+    if ref is not None and "by_run" in ref:
+        lines += [
+            "",
+            "Each run against the float32 reference, while its context is the reference's (a run "
+            "without prefix hits shows the floor of the engine's dtype alone):",
+            "",
+            "| run | steps checked | missed | fraction | largest reference margin missed |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for name, a in ref["by_run"].items():
+            frac = "-" if a["missed_fraction"] is None else f"{a['missed_fraction']:.3f}"
+            top = "-" if a["largest_margin_missed"] is None else f"{a['largest_margin_missed']:.3f}"
+            lines.append(
+                f"| {name.replace('_', ' ')} | {a['steps_checked']} | {a['missed']} | {frac} | {top} |"
+            )
+        lines.append("")
     for name, same in report["outputs"].items():
         lines.append(
             f"greedy tokens, {name.replace('_', ' ')}: "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.bench.prefix import PrefixBenchArgs, compare_tokens, ttft_ratios
-from loraplex.bench.prefix_reference import MARGIN, agree
+from loraplex.bench.prefix_reference import MARGIN, agree, agreement_by_run
 from loraplex.bench.serve_metrics import percentiles
 from loraplex.cli import main
 
@@ -87,6 +87,41 @@ def test_the_float32_reference_agrees_at_every_decided_step(report: tuple[dict, 
     assert ref["failures"] == [] and ref["pass"] is True
     assert r["target"]["identical_where_decided"] is True
     assert "float32 reference" in (out / "prefix.md").read_text()
+    # every run follows the reference at every decided step, hits or not; the reference's own
+    # steps are kept beside the cold run's tokens
+    assert set(ref["by_run"]) == {"cold_unshared", "cold", "warm", "cache_off"}
+    for a in ref["by_run"].values():
+        assert a["steps_checked"] == ref["steps_decided"] and a["missed"] == 0
+    for q in r["runs"]["cold"]["requests"]:
+        assert [t for t, _ in q["reference"]] == q["token_ids"]
+
+
+def test_agreement_by_run_counts_misses_while_on_the_reference_path() -> None:
+    wide, tie = 1.0, MARGIN / 2
+    ref = [[(5, wide), (6, tie), (7, wide), (8, 0.3)]]
+    runs = {
+        "cold": {"requests": [{"token_ids": [5, 6, 7, 8]}]},
+        "prime": {"requests": []},  # not a run of these requests: left out
+        # misses a decided step (margin 0.3) while on the cold run's path
+        "warm": {"requests": [{"token_ids": [5, 6, 7, 9]}]},
+        # parts at the near-tie: nothing after it is checked
+        "cold_unshared": {"requests": [{"token_ids": [5, 4, 1, 1]}]},
+    }
+    got = agreement_by_run(runs, ref)
+    assert set(got) == {"cold", "warm", "cold_unshared"}
+    assert got["cold"] == {
+        "steps_checked": 3,
+        "missed": 0,
+        "missed_fraction": 0.0,
+        "largest_margin_missed": None,
+    }
+    assert got["warm"] == {
+        "steps_checked": 3,
+        "missed": 1,
+        "missed_fraction": 1 / 3,
+        "largest_margin_missed": 0.3,
+    }
+    assert got["cold_unshared"]["steps_checked"] == 1 and got["cold_unshared"]["missed"] == 0
 
 
 def test_agree_stops_at_a_near_tie_and_names_a_decided_mismatch() -> None:
