@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from loraplex.lora.triton_parts import (
+    _dot,
     _shrink_tile,
     _slice_columns,
     _slice_entries,
@@ -171,7 +172,7 @@ def lora_expand_kernel(
         # b: [d_out_i, r] row-major; tile [BLOCK_R, BLOCK_N] is one contiguous run of BLOCK_N * r values
         b_mask = r_mask[:, None] & n_mask[None, :]
         bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None], mask=b_mask, other=0.0)
-        delta = tl.dot(h, bt)  # [BLOCK_M, BLOCK_N] float32
+        delta = _dot(h, bt, None)  # [BLOCK_M, BLOCK_N] float32
         tl.store(y_rows + offs_n[None, :], (yt.to(tl.float32) + delta).to(yt.dtype), mask=y_mask)
 
 

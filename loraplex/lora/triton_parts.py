@@ -62,6 +62,16 @@ def _slice_entries(
 
 
 @triton.jit
+def _dot(a, b, acc):
+    # float32 operands get IEEE products, as the model's own float32 GEMMs do: Triton's default for
+    # them is TF32 (10-bit mantissas). A static branch: 16-bit operands compile the plain dot.
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
     # a: [r, d_in] row-major; the tile is [BLOCK_R, BLOCK_K], rows past the rank masked (no bytes)
     at = tl.load(
@@ -69,7 +79,7 @@ def _shrink_acc(acc, xt, a_ptr, rank, d_in, offs_r, offs_k, k_mask):
         mask=(offs_r[:, None] < rank) & k_mask[None, :],
         other=0.0,
     )
-    return tl.dot(xt, tl.trans(at), acc)
+    return _dot(xt, tl.trans(at), acc)
 
 
 @triton.jit

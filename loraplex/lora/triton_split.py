@@ -12,6 +12,7 @@ import triton.language as tl
 from loraplex.lora.triton_parts import (
     _add_y,
     _chunk_slice,
+    _dot,
     _ld_opaque,
     _shrink_tile,
     _slice_columns,
@@ -128,7 +129,7 @@ def lora_expand_pdl_kernel(
     )
     if (m0 < seg_hi) & (rank > 0):
         hs = (tl.where(r_mask[None, :], h, 0.0) * scale).to(y_ptr.dtype.element_ty)
-        _add_y(y_rows + offs_n[None, :], tl.dot(hs, bt), y_mask)
+        _add_y(y_rows + offs_n[None, :], _dot(hs, bt, None), y_mask)
 
 
 @triton.jit(
@@ -248,4 +249,4 @@ def _rows_segment_dot(acc, h, seg, row_seg, bt, scale, r_mask, OUT_DTYPE: tl.con
     # only this segment's rows, only its rank's columns (the shrink may not have written past it)
     own = (row_seg == seg)[:, None] & r_mask[None, :]
     hs = (tl.where(own, h, 0.0) * scale).to(OUT_DTYPE)
-    return tl.dot(hs, bt, acc)
+    return _dot(hs, bt, acc)

@@ -1,7 +1,8 @@
 """Compile the LoRA kernels (`lora/triton_kernels.py`) for sm_90 on a machine without a GPU
 (`helpers/sm90.py`; `test_lora_compile.py` runs this in a subprocess): the split launch's kernels
 with and without PDL (and per-step segment tables), and the two-launch shrink/expand pair at the
-decode and the prefill tiling, for 3 slices at rank tile 16. (`benchmarks/lora_kernel_code.py`
+decode and the prefill tiling, for 3 slices at rank tile 16; and the decode launches with
+float32 operands, which must multiply in IEEE float32, not TF32. (`benchmarks/lora_kernel_code.py`
 dumps the code of every launch the engine's paths make.)
 
     python -m lora.sm90_compile_lora [DIR]   # from tests/; DIR: also write each kernel's PTX there
@@ -78,8 +79,16 @@ def check_b_tiles_in_flight(name: str, ptx: str) -> None:
         raise SystemExit(f"{name}: the row loop waits for every copy in flight; no B tile stays ahead")
 
 
+def check_no_tf32(name: str, ptx: str) -> None:
+    """A float32 engine's LoRA products are IEEE float32, as its base GEMMs are (TF32 off): Triton's
+    default for float32 dot operands is TF32, which keeps 10 mantissa bits of each."""
+    if "tf32" in ptx:
+        raise SystemExit(f"{name}: float32 operands multiplied as TF32")
+
+
 def main() -> None:
     dump = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    fp32 = {**POINTERS, **{name: "*fp32" for name in ("x_ptr", "y_ptr", "w_base")}}
     for name, (fn, consts, warps, stages) in kernels().items():
         ptx = compile_sm90(fn, consts, POINTERS, warps, divisible=DIVISIBLE, num_stages=stages)
         if dump is not None:
@@ -89,6 +98,9 @@ def main() -> None:
             check_vector_loads(name, ptx)
         if name.startswith("expand_rows_pdl") and name.endswith("_table_asm"):
             check_b_tiles_in_flight(name, ptx)
+        if name.endswith(("pdl1", "decode", "pdl1_table_asm")):  # the float32 engine's launches
+            consts = dict(consts, W_ALIGN=4)  # elements per 16 bytes
+            check_no_tf32(f"{name} (float32)", compile_sm90(fn, consts, fp32, warps, divisible=DIVISIBLE))
     print("compiled")
 
 
