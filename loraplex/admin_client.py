@@ -139,7 +139,8 @@ class OfflineAdmin:
             )
             rec = self.db.get(name, reg.revision)
             assert rec is not None
-            return {**record_json(rec, full=True), "created": reg.created}
+            # no engine here: what the device budget allows is checked by the server that loads it
+            return {**record_json(rec, full=True), "created": reg.created, "warnings": []}
 
     def adapters(self, include_retired: bool) -> Any:  # noqa: ANN401
         from loraplex.server.admin_ops import record_json

@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(json.dumps(out, indent=2, default=str))
+    for warning in out.get("warnings", []) if isinstance(out, dict) else []:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -75,7 +75,7 @@ def test_online_through_the_admin_api(
         code, reg, _ = _run(
             capsys, "adapters", "register", "flip", str(root / "reverse"), "--visibility", "shared", *online
         )
-        assert code == 0 and reg["created"] is True
+        assert code == 0 and reg["created"] is True and reg["warnings"] == []
         assert text(complete(base, ADMIN, "flip")) == "cba"
         code, out, _ = _run(capsys, "adapters", "alias", "flip/latest", f"flip@{reg['revision']}", *online)
         assert code == 0

@@ -4,6 +4,7 @@ host tier or the store), and the tiers show in `/metrics` and `GET /admin/v1/res
 
 from __future__ import annotations
 
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from helpers.admin_server import ADMIN, MODEL, admin, auth, complete, demo_footprint, sources, text
 from helpers.live_server import live_server
 
-from loraplex import LLM, SamplingParams
+from loraplex import LLM, SamplingParams, cli
 from loraplex.config import LoRAConfig
 from loraplex.demo import DEMO_ADAPTERS
 from loraplex.demo.tasks import held_out_inputs, make_prompt
@@ -58,7 +59,9 @@ def test_room_for_one_demo_adapter(
             assert gone not in metrics  # one series per number: the counters above
 
 
-def test_an_adapter_larger_than_the_device_budget_gets_a_clear_400(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_adapter_larger_than_the_device_budget_gets_a_clear_400(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Room for the smallest demo adapter only: a request for the largest is refused with its size
     and the budget's flag, non-streaming and streaming, not answered with an empty aborted text;
     the other adapters keep answering right."""
@@ -72,7 +75,8 @@ def test_an_adapter_larger_than_the_device_budget_gets_a_clear_400(monkeypatch: 
     reference = LLM(MODEL)
     reference.register_adapter(small, demo[small])
     want = reference.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0), [small])[0].text
-    with live_server(MODEL, demo, lora=lora) as (base, _):
+    root = sources(tmp_path / "sources")
+    with live_server(MODEL, demo, source_roots=(str(root),), lora=lora) as (base, _):
         for stream in (False, True):
             body = {"model": big, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": stream}
             refused = httpx.post(f"{base}/v1/completions", json=body, headers=auth(ADMIN), timeout=60)
@@ -84,6 +88,24 @@ def test_an_adapter_larger_than_the_device_budget_gets_a_clear_400(monkeypatch: 
                 and "--adapter-device-bytes" in error["message"]
             )
         assert complete(base, ADMIN, small, prompt).json()["choices"][0]["text"] == want
+        # registering one through the admin API says so in the reply, and keeps the revision
+        for name, path, warned in (("big2", big, True), ("small2", small, False)):
+            body = {"name": name, "source": str(root / path), "visibility": "shared"}
+            reg = admin("POST", base, "/adapters", json=body)
+            assert reg.status_code == 201, reg.text
+            warnings = reg.json()["warnings"]
+            if warned:
+                assert len(warnings) == 1 and f"needs {sizes[big]} bytes" in warnings[0], warnings
+                assert "--adapter-device-bytes" in warnings[0]
+            else:
+                assert warnings == []
+        assert complete(base, ADMIN, "small2", prompt).json()["choices"][0]["text"] == want
+        capsys.readouterr()
+        argv = ["adapters", "register", "big3", str(root / big), "--url", base, "--key", ADMIN]
+        assert cli.main(argv) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["warnings"] and "warning: adapter revision" in err
+        assert f"needs {sizes[big]} bytes" in err
 
 
 def test_an_adapter_the_store_lost_gets_an_error_not_an_empty_text(monkeypatch: pytest.MonkeyPatch) -> None:
