@@ -261,3 +261,29 @@ def test_cuda_graph_whole_layer_back_to_back(variant: str) -> None:
             y_ref = reference(y0[grp], xs[grp], meta, table, 0, grp, offs[grp])
             assert row_errors(ys[grp], y_ref).max().item() <= TOL, (seed, grp)
             assert torch.equal(ys[grp][3], y0[grp][3])
+
+
+@pytest.mark.parametrize("two_launch", [False, True])
+def test_float32_operands_are_multiplied_in_float32(two_launch: bool) -> None:
+    """A float32 engine's LoRA increment is float32 to rounding, as its base GEMMs are (TF32 off):
+    TF32, Triton's default for float32 dot operands, keeps 10 mantissa bits and is ~1e-3 off."""
+    table = make_table([16, 32, 8], torch.float32, DEV, shapes=MID_SHAPES, seed=3)
+    slots = [0, 1, -1, 2] * 10
+    meta = LoRABatchMetadata.build(slots, table, DEV)
+    lora_rows = torch.tensor([i for i, s in enumerate(slots) if s != -1], device=DEV)
+    be = _backend(_two_launch() if two_launch else None)
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference in float32 too
+    try:
+        for group, (d_in, widths) in MID_SHAPES.items():
+            offs = slice_offsets(widths)
+            x = torch.randn(len(slots), d_in, generator=gen, device=DEV)
+            y0 = torch.randn(len(slots), offs[-1], generator=gen, device=DEV)
+            y = y0.clone()
+            be.apply(y, x, meta, table, 0, group, offs)
+            y_ref = reference(y0, x, meta, table, 0, group, offs)
+            err = row_errors((y - y0)[lora_rows], (y_ref - y0)[lora_rows])
+            assert err.max().item() <= 2e-5, (group, err.max().item())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
