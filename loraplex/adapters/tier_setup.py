@@ -11,7 +11,8 @@ from loraplex.adapters.device_pool import AdapterPool
 from loraplex.adapters.h2d_copy import build_async_loads
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.residency import AdapterResidency
-from loraplex.adapters.tiers import AdapterTiers, Demand
+from loraplex.adapters.tier_room import Demand
+from loraplex.adapters.tiers import AdapterTiers
 from loraplex.config import LoRAConfig
 from loraplex.lora.weights import LoRASlotTable
 

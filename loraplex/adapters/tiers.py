@@ -8,16 +8,12 @@ finished loads into device residency:
 - From the host tier the weights are at hand; from the store (the disk tier, read through the
   `source` callback its owner installs, e.g. the server's control service) a single background
   thread reads and converts them, so a slow read never holds up a step.
-- Placing a load that does not fit asks `EvictionPolicy` for victims among the device-resident
-  revisions: never one that a running sequence references (only scheduled sequences pin slots;
-  a running sequence will be scheduled again), and, while anything else makes room, never one
-  that a queued sequence waits for. Victims go to the host tier first, so they reload without
-  disk. When nothing runs and every resident adapter is only awaited by queued sequences, the
-  queued protection is lifted so the queue cannot deadlock. An adapter that became resident in
+- Placing a load that does not fit evicts victims the eviction policy picks among the
+  device-resident revisions (adapters/tier_room.py says which are protected, and when); victims
+  go to the host tier first, so they reload without disk. An adapter that became resident in
   this `poll` is never a victim: the step planned next sees every load it finished. Otherwise,
-  with nothing running, two loads could evict each other as each completes (a side-stream copy
-  is committed in one `poll` and the next placement took its room), and a starved request at the
-  front of the adaptive order would never see its adapter, nor would anything behind it run.
+  with nothing running, two loads could evict each other as each completes, and a starved
+  request at the front of the adaptive order would never see its adapter.
 - Each tenant's residency limits (set at runtime by `set_tenant_limits`, from the control plane's
   records) feed the policy: device budgets, guaranteed residency, priority, and a cold-load rate
   paid when a load onto the device starts. A load over its tenant's rate is deferred (its requests
@@ -37,23 +33,20 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
 from loraplex.adapters.device_pool import AdapterPool, PoolFullError
-from loraplex.adapters.eviction import Candidate, EvictionPolicy, TenantLimits, Tier
+from loraplex.adapters.eviction import EvictionPolicy, TenantLimits
 from loraplex.adapters.h2d_copy import AsyncLoads
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.residency import AdapterResidency, Residency
 from loraplex.adapters.tenant_residency import effective
 from loraplex.adapters.tier_metrics import TierMetrics
+from loraplex.adapters.tier_room import Demand, victims_for
 from loraplex.lora.weights import AdapterWeights
-from loraplex.types import AdapterRef
 
-# What the engine reports of its live sequences when a placement needs victims: the adapters of
-# the running sequences and of the waiting ones.
-Demand = Callable[[], tuple[Iterable[AdapterRef | None], Iterable[AdapterRef | None]]]
 Source = Callable[[str], AdapterWeights]
 
 
@@ -376,39 +369,22 @@ class AdapterTiers:
             self.metrics.load_seconds[started[0]].observe(self.clock() - started[1])
 
     def _make_room(self, revision: str, size: int) -> bool:
-        running, waiting = self.demand()
-        refs = Counter(a.revision for a in running if a is not None)
-        queued = Counter(a.revision for a in waiting if a is not None)
-        starved, drained = self.reserved()
-        if drained is not None:  # a victim for the starved load (its queued requests wait), else kept
-            if revision == starved:
-                queued.pop(drained, None)
-            else:
-                refs[drained] += 1
-        now = self.clock()
-        tenant = self._tenant.get(revision, "")
-
-        def candidates(protect_queued: bool) -> list[Candidate]:
-            return [
-                Candidate(
-                    r,
-                    self._tenant.get(r, ""),
-                    self.pool.allocated_of(r),
-                    Tier.HOST if r in self.host else Tier.DISK,
-                    references=refs[r] + (r in self._placed),  # placed just now: kept for a step
-                    queued=queued[r] if protect_queued else 0,
-                )
-                for r in self.residency.resident_revisions()
-            ]
-
-        choice = self.policy.choose_victims(size, self.pool.free_bytes, candidates(True), tenant, now)
-        if not choice.ok and not refs:
-            # Nothing runs, so nothing will finish and free room: waiting for the queued adapters'
-            # requests would wait forever. Take from those instead.
-            choice = self.policy.choose_victims(size, self.pool.free_bytes, candidates(False), tenant, now)
-        if not choice.ok:
+        victims = victims_for(
+            revision,
+            size,
+            self.demand,
+            self.reserved(),
+            self._tenant,
+            self._placed,
+            self.pool,
+            self.host,
+            self.residency,
+            self.policy,
+            self.clock(),
+        )
+        if victims is None:
             return False
-        for victim in choice.victims:
+        for victim in victims:
             if victim not in self.host:  # keep it one cheap copy away (the host tier may drop it)
                 self.host.put(victim, self.residency.weights(victim))
             self.residency.evict(victim)
