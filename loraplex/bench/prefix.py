@@ -42,6 +42,7 @@ from typing import Any
 from loraplex.bench.prefix_reference import (
     ReferenceRequest,
     agreement_by_run,
+    compare_tokens,
     compare_with_reference,
     reference_steps,
 )
@@ -186,24 +187,6 @@ def run_phase(
 def _margin(logprobs: dict[int, float]) -> float | None:
     top = sorted(logprobs.values(), reverse=True)
     return top[0] - top[1] if len(top) > 1 else None
-
-
-def compare_tokens(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    """Per request, whether `other`'s greedy tokens equal `reference`'s; for those that differ,
-    the first differing step and the reference's top-2 margin there."""
-    differences = []
-    for ref, got in zip(reference["requests"], other["requests"], strict=True):
-        assert ref["index"] == got["index"]
-        a, b = ref["token_ids"], got["token_ids"]
-        if a == b:
-            continue
-        step = next((s for s, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        margins = ref["margins"]
-        differences.append(
-            {"index": ref["index"], "step": step, "margin": margins[step] if step < len(margins) else None}
-        )
-    n = len(reference["requests"])
-    return {"requests": n, "identical": n - len(differences), "differences": differences}
 
 
 def ttft_ratios(num: dict[str, Any], den: dict[str, Any]) -> dict[str, float | None]:

@@ -7,7 +7,9 @@ prompt and greedy tokens, gives the top-2 margin of the context at every output 
 hit) and cold (the miss) must then agree, and give the reference's token, at every step whose
 margin is at least `MARGIN`, for as long as they share their context: once they part at a
 near-tie, they continue from different contexts and the comparison stops. The same rule as the
-prefix cache's bf16 GPU test (tests/engine/test_gpu_prefix_bf16.py).
+prefix cache's bf16 GPU test (tests/engine/test_gpu_prefix_bf16.py). Also here: the runs' greedy
+tokens against each other (`compare_tokens`), and each run against the reference on its own
+(`agreement_by_run`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,24 @@ def _forward(
         margins = (top.values[:, 0] - top.values[:, 1]).tolist()
         out.append(list(zip(top.indices[:, 0].tolist(), margins, strict=True)))
     return out
+
+
+def compare_tokens(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Per request, whether `other`'s greedy tokens equal `reference`'s; for those that differ,
+    the first differing step and the reference's top-2 margin there."""
+    differences = []
+    for ref, got in zip(reference["requests"], other["requests"], strict=True):
+        assert ref["index"] == got["index"]
+        a, b = ref["token_ids"], got["token_ids"]
+        if a == b:
+            continue
+        step = next((s for s, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        margins = ref["margins"]
+        differences.append(
+            {"index": ref["index"], "step": step, "margin": margins[step] if step < len(margins) else None}
+        )
+    n = len(reference["requests"])
+    return {"requests": n, "identical": n - len(differences), "differences": differences}
 
 
 def agree(cold: Sequence[int], warm: Sequence[int], ref: Sequence[tuple[int, float]]) -> dict[str, Any]:

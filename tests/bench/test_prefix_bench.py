@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench.prefix import PrefixBenchArgs, compare_tokens, ttft_ratios
-from loraplex.bench.prefix_reference import MARGIN, agree, agreement_by_run
+from loraplex.bench.prefix import PrefixBenchArgs, ttft_ratios
+from loraplex.bench.prefix_reference import MARGIN, agree, agreement_by_run, compare_tokens
 from loraplex.bench.serve_metrics import percentiles
 from loraplex.cli import main
 
