@@ -63,6 +63,13 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{passed}  TTFT warm <= {limit} x cold (nothing shared), {rule}")
     if target["ttft_ratio_pass_vs_cache_off"] is not None:
         print(f"{verdict(target['ttft_ratio_pass_vs_cache_off'] and same)}  the same against no prefix cache")
+    if decided is not None:  # the dtype's own distance from float32, with prefix hits and without
+        for name, a in report["fp32_reference"]["by_run"].items():
+            top = a["largest_margin_missed"]
+            print(
+                f"  {name.replace('_', ' ')} against float32: {a['missed']} of {a['steps_checked']} "
+                f"decided steps missed" + ("" if top is None else f", the largest margin missed {top:.3f}")
+            )
     print(f"wrote {args.out}/prefix.json, prefix.md, prefix.png")
     return 0
 
