@@ -199,6 +199,12 @@ class AdapterTiers:
         size = self._sizes.get(revision, 0)
         return None if size <= self.pool.budget_bytes else self._over_budget(revision, size)
 
+    def registration_warning(self, revision: str) -> str | None:
+        """What registering `revision` should warn about (kept, since a larger budget can serve it,
+        but refused here), or None: said on stderr and in the admin API's reply alike."""
+        why = self.too_large(revision)
+        return None if why is None else f"{why}; requests for it are refused"
+
     def _over_budget(self, revision: str, size: int) -> str:
         return (
             f"adapter revision {revision[:12]} needs {size} bytes of adapter device memory, more than "

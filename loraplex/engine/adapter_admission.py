@@ -78,9 +78,9 @@ class AdapterAdmission:
         if self.adapters.is_retired(AdapterRef(name, revision)):  # before loading: nothing changes
             raise ValueError(f"{name}@{revision[:12]} is retired; a retired revision stays retired")
         weights = self.tiers.register(revision, imported.weights, tenant)
-        too_large = self.tiers.too_large(revision)
-        if too_large is not None:  # registered (a larger budget can serve it), but not here
-            print(f"warning: {name}: {too_large}; requests for it are refused", file=sys.stderr)
+        warning = self.tiers.registration_warning(revision)
+        if warning is not None:
+            print(f"warning: {name}: {warning}", file=sys.stderr)
         return self.adapters.add(
             name, revision, weights.max_rank, weights.nbytes, imported.manifest, tenant, visibility
         )

@@ -139,10 +139,9 @@ class AdminOps:
             except Exception as err:  # recorded but not servable here: take it out of service again
                 self.db.set_state(name, reg.revision, "retired", who.label)
                 raise APIError(500, f"registered but could not be loaded: {err}") from None
-        # registered and kept (a server with a larger budget can serve it), but said in the reply:
         # the operator who registers it is the one who should learn that its requests are refused
-        too_large = self.control.on_engine(lambda e: e.tiers.too_large(rec.revision))
-        warnings = [] if too_large is None else [f"{too_large}; requests for it are refused"]
+        warning = self.control.on_engine(lambda e: e.tiers.registration_warning(rec.revision))
+        warnings = [] if warning is None else [warning]
         return {**record_json(rec, full=True), "created": reg.created, "warnings": warnings}
 
     def adapters(self, include_retired: bool) -> list[dict[str, Any]]:
