@@ -19,6 +19,7 @@ import triton.language as tl
 NEG_INIT = tl.constexpr(-1.0e30)
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # "no sliding window": wider than any context, so the window test always holds
+NO_WINDOW_C = tl.constexpr(NO_WINDOW)  # the same, for kernels to compare with
 
 
 @triton.jit
@@ -43,22 +44,36 @@ def _attend_tile(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     PREC: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
-    """One key tile of the online softmax (base-2 exponent): returns the updated m, l, acc."""
+    """One key tile of the online softmax (base-2 exponent): returns the updated m, l, acc.
+
+    MASKED=False: the caller vouches that every row may see every key of the tile (below the
+    causal diagonal, inside the context, no window), so no mask is built and the loads take
+    whole tiles."""
     j = key0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_PAD)
-    in_ctx = j < key_hi
-    blk = tl.load(table_row + j // BS, mask=in_ctx, other=0).to(tl.int64)
-    addr = blk * stride_cb + (j % BS).to(tl.int64) * stride_cs + kv_off
-    kv_mask = in_ctx[:, None] & (d[None, :] < D)
-    k = tl.load(k_cache + addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [M, BLOCK_N] float32
-    allowed = in_ctx[None, :] & (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - window)
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:
+        in_ctx = j < key_hi
+        blk = tl.load(table_row + j // BS, mask=in_ctx, other=0).to(tl.int64)
+        addr = blk * stride_cb + (j % BS).to(tl.int64) * stride_cs + kv_off
+        kv_mask = in_ctx[:, None] & (d[None, :] < D)
+        k = tl.load(k_cache + addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [M, BLOCK_N] float32
+        allowed = in_ctx[None, :] & (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        v = tl.load(v_cache + addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    else:
+        blk = tl.load(table_row + j // BS).to(tl.int64)
+        addr = blk * stride_cb + (j % BS).to(tl.int64) * stride_cs + kv_off
+        k = tl.load(k_cache + addr[:, None] + d[None, :], mask=d[None, :] < D, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)  # unscaled: the scale goes into exp2's FMA
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        v = tl.load(v_cache + addr[:, None] + d[None, :], mask=d[None, :] < D, other=0.0)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    v = tl.load(v_cache + addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
@@ -251,18 +266,33 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     table_row = table_ptr + s_id.to(tl.int64) * stride_bt
     kv_off = (h // GROUP) * stride_ch
-    if FOR_LOOP:  # GPU: a for loop over runtime bounds (software-pipelined by the compiler)
-        for key0 in range(k_lo, k_hi, BLOCK_N):
+    # Open tiles first: whole key tiles at or below the query tile's first position, which every
+    # row sees (layers without a window only), need no mask; the rest (the diagonal, a window's
+    # edge) take the masked path. Two loops, each software-pipelined on its own.
+    k_mid = k_lo + tl.where(window >= NO_WINDOW_C, (first + r0 + 1 - k_lo) // BLOCK_N, 0) * BLOCK_N
+    if FOR_LOOP:  # GPU: for loops over runtime bounds (software-pipelined by the compiler)
+        for key0 in range(k_lo, k_mid, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
-                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, False,
+            )  # fmt: skip
+        for key0 in range(k_mid, k_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, True,
             )  # fmt: skip
     else:  # the interpreter (numpy >= 2.4 refuses a loaded scalar as a `range` bound): same tiles
         key0 = k_lo
+        while key0 < k_mid:
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, False,
+            )  # fmt: skip
+            key0 += BLOCK_N
         while key0 < k_hi:
             m_i, l_i, acc = _attend_tile(
                 q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
-                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, True,
             )  # fmt: skip
             key0 += BLOCK_N
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -13,7 +13,13 @@ import torch
 class AttentionTiling:
     decode_block_n: int = 64  # keys per decode tile
     prefill_block_m: int = 64  # query rows per prefill tile
-    prefill_block_n: int = 64  # keys per prefill tile
+    # Keys per prefill tile, and the prefill launch's pipeline depth. The K/V loads go through the
+    # block table, so the compiler's pipeliner puts the table read a stage ahead of them: at its
+    # default of 3 stages K/V are fetched only one tile ahead and the loop waits on every fetch;
+    # 5 stages fetch them two tiles ahead. Small key tiles keep the shared memory (~66 KB) low
+    # enough for a mixed step's decode programs to run beside the prefill ones (docs/attention.md).
+    prefill_block_n: int = 32
+    prefill_num_stages: int = 5
     min_keys_per_split: int = 256  # decode split-K: no split smaller than this
     programs_per_sm: int = 2  # decode split-K: split until S * Hkv * splits reaches this many per SM
     max_splits: int = 32
@@ -27,7 +33,7 @@ def tiling_for(head_dim: int, base: AttentionTiling = DEFAULT_TILING) -> Attenti
     """Halve the key tiles and double the warps for head_dim > 128 (register and shared-memory
     pressure)."""
     if head_dim > 128:
-        return replace(base, decode_block_n=32, prefill_block_n=32, num_warps=8)
+        return replace(base, decode_block_n=32, prefill_block_n=min(base.prefill_block_n, 32), num_warps=8)
     return base
 
 

@@ -16,8 +16,8 @@ POINTERS.update(slot_ptr="*i64")
 POINTERS.update(qk_scale="fp32")
 
 
-def compile_sm90(fn, constexprs: dict, num_warps: int = 4) -> None:  # noqa: ANN001
-    _compile(fn, constexprs, POINTERS, num_warps)
+def compile_sm90(fn, constexprs: dict, num_warps: int = 4, **options) -> None:  # noqa: ANN001, ANN003
+    _compile(fn, constexprs, POINTERS, num_warps, **options)
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
         compile_sm90(at.decode_combine_kernel, dict(HQ=32, D=head_dim, D_PAD=head_dim, SPLITS=2))
         for tile_map in (False, True):
             consts = dict(common, BLOCK_M=t.prefill_block_m, BLOCK_N=t.prefill_block_n, TILE_MAP=tile_map)
-            compile_sm90(at.prefill_kernel, consts, t.num_warps)
+            compile_sm90(at.prefill_kernel, consts, t.num_warps, num_stages=t.prefill_num_stages)
         compile_sm90(kw.kv_write_kernel, dict(HKV=8, D=head_dim, H_PAD=8, D_PAD=head_dim))
     print("compiled")
 
