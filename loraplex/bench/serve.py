@@ -209,7 +209,14 @@ def run_in_process(
         wall = max(t.finish_s or 0.0 for t in done) - since
     budget = engine.scheduler.token_budget  # the live one: a budget sweep lowers it
     summary = summarize(done, steps, wall, engine.config.scheduler.max_num_seqs, step_budget=budget)
-    summary["gpu_busy"] = {"fraction": busy.fraction, "window_s": busy.window_s, "kernels": busy.kernels}
+    summary["gpu_busy"] = {
+        "fraction": busy.fraction,
+        "window_s": busy.window_s,
+        "kernels": busy.kernels,
+        # kernel time by kind as a fraction of the window (kernels on two streams each count)
+        "by_kind": {k: v / busy.window_s for k, v in busy.by_kind.items()} if busy.window_s else {},
+        "top_kernels": busy.top_kernels,
+    }
     summary["prefix_cache_hit_tokens"] = (prefix.stats.hit_tokens - hits_before) if prefix is not None else 0
     return summary
 

@@ -137,6 +137,12 @@ def markdown(report: dict[str, Any]) -> str:
                 f"GPU busy over the steady window ({r['gpu_busy']['window_s']:.2f} s, "
                 f"{r['gpu_busy']['kernels']} kernels): {busy:.3f}"
             )
+            kinds = r["gpu_busy"].get("by_kind") or {}
+            if kinds:
+                lines.append(
+                    "kernel time over that window by kind (fraction of its wall time): "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+                )
         s = r["steps"]
         if s["count"]:
             kinds = ", ".join(

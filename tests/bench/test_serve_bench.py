@@ -126,6 +126,36 @@ def test_busy_union_counts_overlapping_kernels_once() -> None:
     assert union_length([(0, 10), (5, 12), (20, 25), (21, 22), (30, 31)]) == 12 + 5 + 1
 
 
+def test_kernel_time_by_kind_sums_each_kernel_into_its_kind() -> None:
+    """Names as the profiler reports them on an H200: cuBLAS's GEMMs, the package's Triton kernels,
+    PyTorch's own ops."""
+    from loraplex.bench.gpu_busy import kernel_kind, time_by_kind
+
+    gemm = "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT"
+    records = [
+        (gemm, 0.0, 100.0),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_cublas", 100.0, 150.0),
+        ("decode_kernel", 150.0, 170.0),
+        ("prefill_kernel", 160.0, 190.0),  # on a side stream beside the decode launch: both count
+        ("lora_shrink_kernel", 190.0, 195.0),
+        ("_rmsnorm_kernel", 195.0, 197.0),
+        ("kv_write_kernel", 197.0, 198.0),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", 198.0, 199.0),
+        (gemm, 200.0, 300.0),
+    ]
+    kinds, top = time_by_kind(records, top=2)
+    expect = {"gemm": 250e-6, "attention": 50e-6, "lora": 5e-6, "norm, rotary, activation": 2e-6,
+              "kv write": 1e-6, "other": 1e-6}  # fmt: skip
+    assert kinds.keys() == expect.keys()
+    assert all(abs(kinds[k] - v) < 1e-12 for k, v in expect.items())
+    assert [(t["name"], t["count"], t["kind"]) for t in top] == [
+        (gemm, 2, "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_cublas", 1, "gemm"),
+    ]
+    assert kernel_kind("decode_combine_kernel") == "attention"
+    assert kernel_kind("_silu_mul_kernel") == "norm, rotary, activation"
+
+
 def test_base_only_against_pure_decode_of_a_full_batch(tmp_path: Path) -> None:
     """The ratio the serving target names: base-only output tokens/s over max_num_seqs / the
     median of the run's decode steps that carry a full batch (and only those)."""
