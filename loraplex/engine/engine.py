@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import sys
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,7 @@ from loraplex.adapters.peft_import import ImportedAdapter, import_peft_adapter
 from loraplex.adapters.registry import DEFAULT_TENANT, AdapterRegistry, check_adapter_name
 from loraplex.adapters.residency import StepSlots
 from loraplex.adapters.tier_setup import build_tiers
-from loraplex.config import EngineConfig, ModelConfig
+from loraplex.config import EngineConfig, ModelConfig, dtype_warning
 from loraplex.engine.adapter_admission import AdapterAdmission
 from loraplex.engine.cuda_graphs import StaticStepRunner, graph_limits
 from loraplex.engine.model_runner import ModelRunner
@@ -76,6 +77,9 @@ class Engine(StepPipeline):
             raise ValueError("base_revision and tokenizer are given only with an in-process model")
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
+        slow = dtype_warning(self.device, dtype)
+        if slow is not None:
+            print(f"warning: {slow}", file=sys.stderr)
         if model is None:
             self.model_config = ModelConfig.from_dir(config.model_dir)
             self.model = load_model(config.model_dir, dtype, self.device, progress=progress)
