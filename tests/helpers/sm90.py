@@ -50,7 +50,14 @@ def compile_sm90(  # noqa: ANN201
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in divisible}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", 90, 32)
-    return triton.compile(src, target=target, options=dict(num_warps=num_warps, **options)).asm["ptx"]
+    kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps, **options))
+    # A launch asking for more shared memory than an SM has fails only on the GPU (out of resources)
+    shared = kernel.metadata.shared
+    assert shared <= SM90_MAX_SHARED, f"{fn.__name__} {constexprs} {options}: {shared} bytes of shared memory"
+    return kernel.asm["ptx"]
+
+
+SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 
 def run_compile_script(module: str) -> None:
