@@ -121,6 +121,37 @@ def steady_window(timings: list[RequestTiming], steps: list[StepRecord]) -> dict
     return {"from_s": lo, "to_s": hi, "output_tokens": tokens, "output_tokens_per_s": tokens / (hi - lo)}
 
 
+def run_phases(timings: list[RequestTiming], steps: list[StepRecord]) -> dict[str, Any] | None:
+    """The run cut at the steady window's edges (`steady_window`): the start (every slot's first
+    prompt at once), the steady part, the drain. Per phase: seconds, output tokens (counted as the
+    steady window counts them), tokens/s, mean decode rows a step, and the seconds it takes beyond
+    what its tokens would at the steady rate: where a whole-run rate loses against the steady one."""
+    steady = steady_window(timings, steps)
+    finished = [t.finish_s for t in timings if t.finish_s is not None]
+    if steady is None or not finished:
+        return None
+    rate = steady["output_tokens_per_s"]
+    begin, end = min(t.arrival_s for t in timings), max(finished)
+    phases: dict[str, Any] = {}
+    for name, lo, hi in (
+        ("start", begin, steady["from_s"]),
+        ("steady", steady["from_s"], steady["to_s"]),
+        ("drain", steady["to_s"], end),
+    ):
+        inside = [x for x in steps if lo <= x.start_s < hi]
+        tokens = sum(x.decode_rows for x in inside)
+        tokens += sum(1 for t in timings if t.first_token_s is not None and lo <= t.first_token_s < hi)
+        seconds = max(hi - lo, 0.0)
+        phases[name] = {
+            "seconds": seconds,
+            "output_tokens": tokens,
+            "output_tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "decode_rows_per_step": statistics.fmean(x.decode_rows for x in inside) if inside else None,
+            "seconds_over_steady_rate": seconds - tokens / rate if rate > 0 else None,
+        }
+    return phases
+
+
 def full_decode_steps(steps: list[StepRecord], max_num_seqs: int) -> list[float]:
     """Seconds of the pure decode steps of a full batch: the speed the engine would give if no
     prompt ever arrived, which the output rate with prefill is compared against."""
@@ -191,6 +222,7 @@ def summarize(
         "output_tokens": output,
         "output_tokens_per_s": output / wall_s if wall_s > 0 else 0.0,
         "steady": steady_window(timings, steps),
+        "phases": run_phases(timings, steps),
         "requests_per_s": len(timings) / wall_s if wall_s > 0 else 0.0,
         "latency": _latencies(timings),
         "by_popularity": {k: _latencies(v) for k, v in sorted(by_class.items())},

@@ -74,6 +74,17 @@ def markdown(report: dict[str, Any]) -> str:
             f"requests done to the last arrival, {st['output_tokens_per_s']:.1f} tok/s): "
             f"{ratios['base_only_vs_full_batch_decode_steady']:.3f}"
         ]
+        phases = report["base_only"].get("phases")
+        if phases:
+            lines.append(
+                "base-only run by phase (seconds, tok/s, decode rows a step, seconds beyond the steady "
+                "rate): "
+                + "; ".join(
+                    f"{name} {p['seconds']:.1f} s, {p['output_tokens_per_s'] or 0:.0f} tok/s, "
+                    f"{p['decode_rows_per_step'] or 0:.1f} rows, {p['seconds_over_steady_rate'] or 0:+.2f} s"
+                    for name, p in phases.items()
+                )
+            )
     if "base_only_decode_bound" in ratios:
         b = report["base_only"]["steps"]["decode_bound"]
         lines += [

@@ -170,6 +170,9 @@ def test_base_only_against_pure_decode_of_a_full_batch(tmp_path: Path) -> None:
     assert report["ratios"]["base_only_vs_full_batch_decode_steady"] == pytest.approx(
         steady["output_tokens_per_s"] * full["median_s"] / 8
     )
+    phases = report["base_only"]["phases"]
+    assert phases["steady"]["output_tokens"] == steady["output_tokens"]
+    assert "base-only run by phase" in (tmp_path / "serve.md").read_text()
 
 
 def test_steady_window_leaves_out_the_ramp_and_the_drain() -> None:
@@ -191,6 +194,30 @@ def test_steady_window_leaves_out_the_ramp_and_the_drain() -> None:
     assert got["output_tokens"] == 10 + 1  # the step at 3, and request 3's first token at 3.5
     assert got["output_tokens_per_s"] == 11
     assert steady_window(timings[:1], steps) is None  # its last arrival is before a quarter finished
+
+
+def test_run_phases_split_the_run_at_the_steady_windows_edges() -> None:
+    """The same run as above: start 0-3 s, steady 3-4 s (11 tokens/s), drain 4-9 s; each phase's
+    tokens counted as the window counts them, and its time beyond what they take at 11 tokens/s."""
+    from loraplex.bench.serve_metrics import RequestTiming, StepRecord, run_phases
+
+    timings = [
+        RequestTiming(i, "t", "base", arrival_s=a, first_token_s=f, finish_s=e)
+        for i, (a, f, e) in enumerate([(0, 1, 2), (0, 1.5, 3), (2, 2.5, 4), (3, 3.5, 5), (4, 4.5, 9)])
+    ]
+    steps = [StepRecord(float(t), 1.0, 12, 10, 0, 4, True) for t in range(9)]
+    steps.append(StepRecord(1.5, 0.5, 6, 6, 0, 4, True))
+    got = run_phases(timings, steps)
+    assert got is not None and list(got) == ["start", "steady", "drain"]
+    # start: steps at 0, 1, 1.5, 2 (10 + 10 + 6 + 10 rows) and first tokens at 1, 1.5, 2.5
+    assert got["start"]["seconds"] == 3 and got["start"]["output_tokens"] == 36 + 3
+    assert got["start"]["decode_rows_per_step"] == 9
+    assert got["start"]["seconds_over_steady_rate"] == pytest.approx(3 - 39 / 11)
+    assert got["steady"]["output_tokens"] == 11 and got["steady"]["seconds_over_steady_rate"] == 0
+    # drain: steps at 4..8 (5 x 10 rows) and the first token at 4.5
+    assert got["drain"]["seconds"] == 5 and got["drain"]["output_tokens"] == 51
+    assert got["drain"]["seconds_over_steady_rate"] == pytest.approx(5 - 51 / 11)
+    assert run_phases(timings[:1], steps) is None
 
 
 def test_decode_bound_from_the_runs_own_step_costs() -> None:
