@@ -175,18 +175,26 @@ def test_base_only_against_pure_decode_of_a_full_batch(tmp_path: Path) -> None:
     assert "base-only run by phase" in (tmp_path / "serve.md").read_text()
 
 
-def test_steady_window_leaves_out_the_ramp_and_the_drain() -> None:
-    """From a quarter of the requests finished to the last arrival: the decode rows of the steps
-    launched in it plus the first tokens sampled in it, over its length."""
-    from loraplex.bench.serve_metrics import RequestTiming, StepRecord, steady_window
+def _five_requests() -> tuple[list, list]:
+    """Five requests (arrival, first token, finish) and one step a second from 0 to 8 with 10
+    decode rows each, plus a step at 1.5 with 6."""
+    from loraplex.bench.serve_metrics import RequestTiming, StepRecord
 
     timings = [
         RequestTiming(i, "t", "base", arrival_s=a, first_token_s=f, finish_s=e)
         for i, (a, f, e) in enumerate([(0, 1, 2), (0, 1.5, 3), (2, 2.5, 4), (3, 3.5, 5), (4, 4.5, 9)])
     ]
-    # one step a second from 0 to 8, 10 decode rows each, plus a step at 1.5 (6 rows)
     steps = [StepRecord(float(t), 1.0, 12, 10, 0, 4, True) for t in range(9)]
     steps.append(StepRecord(1.5, 0.5, 6, 6, 0, 4, True))
+    return timings, steps
+
+
+def test_steady_window_leaves_out_the_ramp_and_the_drain() -> None:
+    """From a quarter of the requests finished to the last arrival: the decode rows of the steps
+    launched in it plus the first tokens sampled in it, over its length."""
+    from loraplex.bench.serve_metrics import steady_window
+
+    timings, steps = _five_requests()
     got = steady_window(timings, steps)
     assert got is not None
     # finishes sorted 2, 3, 4, 5, 9: the quarter mark is the second (3); the last arrival is 4
@@ -199,14 +207,9 @@ def test_steady_window_leaves_out_the_ramp_and_the_drain() -> None:
 def test_run_phases_split_the_run_at_the_steady_windows_edges() -> None:
     """The same run as above: start 0-3 s, steady 3-4 s (11 tokens/s), drain 4-9 s; each phase's
     tokens counted as the window counts them, and its time beyond what they take at 11 tokens/s."""
-    from loraplex.bench.serve_metrics import RequestTiming, StepRecord, run_phases
+    from loraplex.bench.serve_metrics import run_phases
 
-    timings = [
-        RequestTiming(i, "t", "base", arrival_s=a, first_token_s=f, finish_s=e)
-        for i, (a, f, e) in enumerate([(0, 1, 2), (0, 1.5, 3), (2, 2.5, 4), (3, 3.5, 5), (4, 4.5, 9)])
-    ]
-    steps = [StepRecord(float(t), 1.0, 12, 10, 0, 4, True) for t in range(9)]
-    steps.append(StepRecord(1.5, 0.5, 6, 6, 0, 4, True))
+    timings, steps = _five_requests()
     got = run_phases(timings, steps)
     assert got is not None and list(got) == ["start", "steady", "drain"]
     # start: steps at 0, 1, 1.5, 2 (10 + 10 + 6 + 10 rows) and first tokens at 1, 1.5, 2.5
