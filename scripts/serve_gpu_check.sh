@@ -39,6 +39,6 @@ timeout -s INT "${SERVE_TIMEOUT:-570}" $PY -m loraplex.bench.cli serve "${WORKLO
 rc=$?
 grep -v "Warning\|_warn_once" "$OUT_DIR/serve.log" | tail -4
 # the runs' table, the ratios, startup and busy lines
-[ -f "$OUT_DIR/serve.md" ] && grep -E '^\| [^|]*[a-z][^|]* \| [0-9.]+ \| [0-9.-]+ \| [0-9.]+ \|$|^output tokens|^base-only output|: [0-9.]+$|^startup|^GPU busy|^kernel time' \
+[ -f "$OUT_DIR/serve.md" ] && grep -E '^\| [^|]*[a-z][^|]* \| [0-9.]+ \| [0-9.-]+ \| [0-9.]+ \|$|^output tokens|^base-only output|^base-only run by phase|: [0-9.]+$|^startup|^GPU busy|^kernel time' \
   "$OUT_DIR/serve.md"
 exit $rc
