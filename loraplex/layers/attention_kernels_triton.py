@@ -44,7 +44,7 @@ def _attend_tile(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     PREC: tl.constexpr,
-    MASKED: tl.constexpr = True,
+    MASKED: tl.constexpr,
 ):
     """One key tile of the online softmax (base-2 exponent): returns the updated m, l, acc.
 
@@ -77,6 +77,32 @@ def _attend_tile(
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_keys(
+    q, k_cache, v_cache, table_row, kv_off, pos, key_lo, key_end, key_hi, window, m_i, l_i, acc, qk_scale,
+    stride_cb, stride_cs, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PREC: tl.constexpr, MASKED: tl.constexpr, FOR_LOOP: tl.constexpr,
+):  # fmt: skip
+    """`_attend_tile` over the key tiles from key_lo (step BLOCK_N) while below key_end: a for loop
+    over runtime bounds on the GPU (software-pipelined by the compiler), a while loop over the same
+    tiles in the interpreter (numpy >= 2.4 refuses a loaded scalar as a `range` bound)."""
+    if FOR_LOOP:
+        for key0 in range(key_lo, key_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache, v_cache, table_row, kv_off, pos, key0, key_hi, window, m_i, l_i, acc,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, MASKED,
+            )  # fmt: skip
+    else:
+        key0 = key_lo
+        while key0 < key_end:
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache, v_cache, table_row, kv_off, pos, key0, key_hi, window, m_i, l_i, acc,
+                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, MASKED,
+            )  # fmt: skip
+            key0 += BLOCK_N
+    return m_i, l_i, acc
 
 
 # The block table's row stride is the longest block table of an eager step: a runtime value (a
@@ -139,20 +165,10 @@ def decode_kernel(
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     table_row = table_ptr + s_id.to(tl.int64) * stride_bt
-    if FOR_LOOP:  # GPU: a for loop over runtime bounds (software-pipelined by the compiler)
-        for key0 in range(k_lo, k_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, k_cache, v_cache, table_row, kvh * stride_ch, pos, key0, k_hi, window, m_i, l_i, acc,
-                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC,
-            )  # fmt: skip
-    else:  # the interpreter (numpy >= 2.4 refuses a loaded scalar as a `range` bound): same tiles
-        key0 = k_lo
-        while key0 < k_hi:
-            m_i, l_i, acc = _attend_tile(
-                q, k_cache, v_cache, table_row, kvh * stride_ch, pos, key0, k_hi, window, m_i, l_i, acc,
-                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC,
-            )  # fmt: skip
-            key0 += BLOCK_N
+    m_i, l_i, acc = _attend_keys(
+        q, k_cache, v_cache, table_row, kvh * stride_ch, pos, k_lo, k_hi, k_hi, window, m_i, l_i, acc,
+        qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, True, FOR_LOOP,
+    )  # fmt: skip
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + row64 * stride_ot + heads[:, None] * stride_oh + d[None, :]
@@ -270,31 +286,14 @@ def prefill_kernel(
     # row sees (layers without a window only), need no mask; the rest (the diagonal, a window's
     # edge) take the masked path. Two loops, each software-pipelined on its own.
     k_mid = k_lo + tl.where(window >= NO_WINDOW_C, (first + r0 + 1 - k_lo) // BLOCK_N, 0) * BLOCK_N
-    if FOR_LOOP:  # GPU: for loops over runtime bounds (software-pipelined by the compiler)
-        for key0 in range(k_lo, k_mid, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
-                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, False,
-            )  # fmt: skip
-        for key0 in range(k_mid, k_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
-                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, True,
-            )  # fmt: skip
-    else:  # the interpreter (numpy >= 2.4 refuses a loaded scalar as a `range` bound): same tiles
-        key0 = k_lo
-        while key0 < k_mid:
-            m_i, l_i, acc = _attend_tile(
-                q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
-                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, False,
-            )  # fmt: skip
-            key0 += BLOCK_N
-        while key0 < k_hi:
-            m_i, l_i, acc = _attend_tile(
-                q, k_cache, v_cache, table_row, kv_off, pos, key0, k_hi, window, m_i, l_i, acc,
-                qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, True,
-            )  # fmt: skip
-            key0 += BLOCK_N
+    m_i, l_i, acc = _attend_keys(
+        q, k_cache, v_cache, table_row, kv_off, pos, k_lo, k_mid, k_hi, window, m_i, l_i, acc,
+        qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, False, FOR_LOOP,
+    )  # fmt: skip
+    m_i, l_i, acc = _attend_keys(
+        q, k_cache, v_cache, table_row, kv_off, pos, k_mid, k_hi, k_hi, window, m_i, l_i, acc,
+        qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, True, FOR_LOOP,
+    )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
