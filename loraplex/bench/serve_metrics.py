@@ -121,12 +121,14 @@ def steady_window(timings: list[RequestTiming], steps: list[StepRecord]) -> dict
     return {"from_s": lo, "to_s": hi, "output_tokens": tokens, "output_tokens_per_s": tokens / (hi - lo)}
 
 
-def run_phases(timings: list[RequestTiming], steps: list[StepRecord]) -> dict[str, Any] | None:
-    """The run cut at the steady window's edges (`steady_window`): the start (every slot's first
-    prompt at once), the steady part, the drain. Per phase: seconds, output tokens (counted as the
-    steady window counts them), tokens/s, mean decode rows a step, and the seconds it takes beyond
-    what its tokens would at the steady rate: where a whole-run rate loses against the steady one."""
-    steady = steady_window(timings, steps)
+def run_phases(
+    timings: list[RequestTiming], steps: list[StepRecord], steady: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The run cut at the edges of its steady window (`steady_window`'s result): the start (every
+    slot's first prompt at once), the steady part, the drain. Per phase: seconds, output tokens
+    (counted as the steady window counts them), tokens/s, mean decode rows a step, and the seconds
+    it takes beyond what its tokens would at the steady rate: where a whole-run rate loses against
+    the steady one."""
     finished = [t.finish_s for t in timings if t.finish_s is not None]
     if steady is None or not finished:
         return None
@@ -217,12 +219,13 @@ def summarize(
     decode = [s for s in steps if s.kind == "decode"]
     full = full_decode_steps(steps, max_num_seqs)
     full_median = statistics.median(full) if full else None
+    steady = steady_window(timings, steps)
     return {
         "wall_s": wall_s,
         "output_tokens": output,
         "output_tokens_per_s": output / wall_s if wall_s > 0 else 0.0,
-        "steady": steady_window(timings, steps),
-        "phases": run_phases(timings, steps),
+        "steady": steady,
+        "phases": run_phases(timings, steps, steady),
         "requests_per_s": len(timings) / wall_s if wall_s > 0 else 0.0,
         "latency": _latencies(timings),
         "by_popularity": {k: _latencies(v) for k, v in sorted(by_class.items())},

@@ -207,10 +207,10 @@ def test_steady_window_leaves_out_the_ramp_and_the_drain() -> None:
 def test_run_phases_split_the_run_at_the_steady_windows_edges() -> None:
     """The same run as above: start 0-3 s, steady 3-4 s (11 tokens/s), drain 4-9 s; each phase's
     tokens counted as the window counts them, and its time beyond what they take at 11 tokens/s."""
-    from loraplex.bench.serve_metrics import run_phases
+    from loraplex.bench.serve_metrics import run_phases, steady_window
 
     timings, steps = _five_requests()
-    got = run_phases(timings, steps)
+    got = run_phases(timings, steps, steady_window(timings, steps))
     assert got is not None and list(got) == ["start", "steady", "drain"]
     # start: steps at 0, 1, 1.5, 2 (10 + 10 + 6 + 10 rows) and first tokens at 1, 1.5, 2.5
     assert got["start"]["seconds"] == 3 and got["start"]["output_tokens"] == 36 + 3
@@ -220,7 +220,7 @@ def test_run_phases_split_the_run_at_the_steady_windows_edges() -> None:
     # drain: steps at 4..8 (5 x 10 rows) and the first token at 4.5
     assert got["drain"]["seconds"] == 5 and got["drain"]["output_tokens"] == 51
     assert got["drain"]["seconds_over_steady_rate"] == pytest.approx(5 - 51 / 11)
-    assert run_phases(timings[:1], steps) is None
+    assert run_phases(timings[:1], steps, steady_window(timings[:1], steps)) is None
 
 
 def test_decode_bound_from_the_runs_own_step_costs() -> None:
