@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loraplex.bench.gc_watch import GcWatch
 from loraplex.bench.gpu_busy import BusyWindow
 from loraplex.bench.serve_metrics import RequestTiming, StepRecord, summarize
 from loraplex.bench.serve_model import ServeBenchArgs, build_engine, prompt_ids
@@ -108,97 +109,99 @@ def run_in_process(
     start = time.perf_counter()
     launched_at: float | None = None  # when the step in flight was launched
     spoiled: float | None = None  # launch time of a step whose interval the profiler's start or stop took
-    while pending or live:
-        now = time.perf_counter() - start
-        while pending and (
-            (concurrency is not None and len(live) < concurrency)
-            or (concurrency is None and (pending[0].arrival_s or 0.0) <= now)
-        ):
-            req = pending.pop(0)
-            rid = f"w{req.index}"
-            adapter = None if base_only or req.adapter is None else names[req.adapter]
-            params = SamplingParams(
-                max_tokens=req.output_len, temperature=0.0, ignore_eos=True, logprobs=replay.logprobs
-            )
-            if replay.prompt_of is not None:
-                prompt: str | list[int] = replay.prompt_of(req)
-            elif req.prompt is not None:
-                prompt = req.prompt
-            else:
-                prompt = prompt_ids(req, vocab, workload.spec.seed)
-            arrival = now if concurrency is not None else (req.arrival_s or 0.0)
-            tier = "base" if adapter is None else (tier_of(adapter) if tier_of is not None else None)
-            t_add = time.perf_counter() - start
-            salt = run_salt(req) if callable(run_salt) else run_salt
-            engine.add_request(rid, prompt, params, adapter, cache_salt=salt)
-            timing = RequestTiming(
-                req.index,
-                req.tenant,
-                workload.popularity_class(None if base_only else req.adapter),
-                arrival,
-                tier=tier,
-            )
-            timing.admitted_s = time.perf_counter() - start
-            timing.resolve_s = timing.admitted_s - t_add
-            live[rid] = _Live(req, timing)
-        if not live:
-            time.sleep(min(0.01, max(0.0, (pending[0].arrival_s or 0.0) - now)))
-            continue
-        t0 = time.perf_counter()
-        # As the server does: this call launches the next step and completes the one the last call
-        # launched, whose deltas are handled below while the next runs. A completed step's time is
-        # from the return of the call that launched it to the return of the one that completed it
-        # (the interval between two completions).
-        deltas = engine.step_overlapped()
-        t1 = time.perf_counter()
-        stats = engine.last_stats  # the completed step's (None: this call completed none)
-        if launched_at is not None:
-            t0 = launched_at
-        launched_at = t1
-        if busy.active:
-            busy_steps += 1
-            if busy_steps >= BUSY_STEPS:
-                busy.stop()
-                spoiled = launched_at
-        # (a step in flight while the profiler started or stopped took that time too: not a step time)
-        if stats is not None and t0 != spoiled:
-            steps.append(
-                StepRecord(
-                    t0 - start,
-                    t1 - t0,
-                    stats.num_rows,
-                    stats.num_decode_rows,
-                    stats.num_lora_segments,
-                    len(stats.rows_per_request),
-                    stats.static_replay,
+    # Python GC passes over the run, and how many the engine paced (bench/gc_watch.py)
+    with GcWatch(getattr(engine, "gc_pacer", None)) as gc_watch:
+        while pending or live:
+            now = time.perf_counter() - start
+            while pending and (
+                (concurrency is not None and len(live) < concurrency)
+                or (concurrency is None and (pending[0].arrival_s or 0.0) <= now)
+            ):
+                req = pending.pop(0)
+                rid = f"w{req.index}"
+                adapter = None if base_only or req.adapter is None else names[req.adapter]
+                params = SamplingParams(
+                    max_tokens=req.output_len, temperature=0.0, ignore_eos=True, logprobs=replay.logprobs
                 )
-            )
-        for delta in deltas:
-            item = live.get(delta.request_id)
-            if item is None:
+                if replay.prompt_of is not None:
+                    prompt: str | list[int] = replay.prompt_of(req)
+                elif req.prompt is not None:
+                    prompt = req.prompt
+                else:
+                    prompt = prompt_ids(req, vocab, workload.spec.seed)
+                arrival = now if concurrency is not None else (req.arrival_s or 0.0)
+                tier = "base" if adapter is None else (tier_of(adapter) if tier_of is not None else None)
+                t_add = time.perf_counter() - start
+                salt = run_salt(req) if callable(run_salt) else run_salt
+                engine.add_request(rid, prompt, params, adapter, cache_salt=salt)
+                timing = RequestTiming(
+                    req.index,
+                    req.tenant,
+                    workload.popularity_class(None if base_only else req.adapter),
+                    arrival,
+                    tier=tier,
+                )
+                timing.admitted_s = time.perf_counter() - start
+                timing.resolve_s = timing.admitted_s - t_add
+                live[rid] = _Live(req, timing)
+            if not live:
+                time.sleep(min(0.01, max(0.0, (pending[0].arrival_s or 0.0) - now)))
                 continue
-            item.last_tokens += len(delta.new_token_ids)
-            if item.timing.first_token_s is None:
-                item.timing.first_token_s = t1 - start
-            if delta.finished:
-                item.timing.finish_s = t1 - start
-                item.timing.output_tokens = item.last_tokens
-                out = engine.output(delta.request_id, copy_prompt=False)
-                item.timing.prompt_tokens = len(out.prompt_token_ids)
-                if replay.outputs is not None:
-                    replay.outputs[item.req.index] = out
-                if replay.timings is not None:
-                    replay.timings.append(item.timing)
-                engine.release(delta.request_id)
-                done.append(item.timing)
-                del live[delta.request_id]
-                bar.update(1)
-                if profile and len(done) == busy_from and busy_to > busy_from:
-                    busy.start()
-                    spoiled = launched_at
-                elif len(done) == busy_to:
+            t0 = time.perf_counter()
+            # As the server does: this call launches the next step and completes the one the last call
+            # launched, whose deltas are handled below while the next runs. A completed step's time is
+            # from the return of the call that launched it to the return of the one that completed it
+            # (the interval between two completions).
+            deltas = engine.step_overlapped()
+            t1 = time.perf_counter()
+            stats = engine.last_stats  # the completed step's (None: this call completed none)
+            if launched_at is not None:
+                t0 = launched_at
+            launched_at = t1
+            if busy.active:
+                busy_steps += 1
+                if busy_steps >= BUSY_STEPS:
                     busy.stop()
                     spoiled = launched_at
+            # (a step in flight while the profiler started or stopped took that time too: not a step time)
+            if stats is not None and t0 != spoiled:
+                steps.append(
+                    StepRecord(
+                        t0 - start,
+                        t1 - t0,
+                        stats.num_rows,
+                        stats.num_decode_rows,
+                        stats.num_lora_segments,
+                        len(stats.rows_per_request),
+                        stats.static_replay,
+                    )
+                )
+            for delta in deltas:
+                item = live.get(delta.request_id)
+                if item is None:
+                    continue
+                item.last_tokens += len(delta.new_token_ids)
+                if item.timing.first_token_s is None:
+                    item.timing.first_token_s = t1 - start
+                if delta.finished:
+                    item.timing.finish_s = t1 - start
+                    item.timing.output_tokens = item.last_tokens
+                    out = engine.output(delta.request_id, copy_prompt=False)
+                    item.timing.prompt_tokens = len(out.prompt_token_ids)
+                    if replay.outputs is not None:
+                        replay.outputs[item.req.index] = out
+                    if replay.timings is not None:
+                        replay.timings.append(item.timing)
+                    engine.release(delta.request_id)
+                    done.append(item.timing)
+                    del live[delta.request_id]
+                    bar.update(1)
+                    if profile and len(done) == busy_from and busy_to > busy_from:
+                        busy.start()
+                        spoiled = launched_at
+                    elif len(done) == busy_to:
+                        busy.stop()
+                        spoiled = launched_at
     bar.close()
     busy.stop()  # a no-op unless the window is still open
     wall = time.perf_counter() - start
@@ -217,6 +220,7 @@ def run_in_process(
         "by_kind": {k: v / busy.window_s for k, v in busy.by_kind.items()} if busy.window_s else {},
         "top_kernels": busy.top_kernels,
     }
+    summary["gc"] = gc_watch.summary()
     summary["prefix_cache_hit_tokens"] = (prefix.stats.hit_tokens - hits_before) if prefix is not None else 0
     return summary
 

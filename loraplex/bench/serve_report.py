@@ -154,6 +154,13 @@ def markdown(report: dict[str, Any]) -> str:
                     "kernel time over that window by kind (fraction of its wall time): "
                     + ", ".join(f"{k} {v:.3f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
                 )
+        gcs = r.get("gc")
+        if gcs is not None:
+            p, paced = gcs["passes"], gcs["paced"]
+            lines.append(
+                f"Python GC passes during the run (generation 0 / 1 / 2): {p[0]} / {p[1]} / {p[2]}, "
+                f"{sum(paced)} of them paced after a launch; longest {gcs['longest_s'] * 1e3:.1f} ms"
+            )
         s = r["steps"]
         if s["count"]:
             kinds = ", ".join(

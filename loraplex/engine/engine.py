@@ -34,6 +34,7 @@ from loraplex.adapters.tier_setup import build_tiers
 from loraplex.config import EngineConfig, ModelConfig, dtype_warning
 from loraplex.engine.adapter_admission import AdapterAdmission
 from loraplex.engine.cuda_graphs import StaticStepRunner, graph_limits
+from loraplex.engine.gc_pacing import GcPacer
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.prompt_tokens import eos_token_ids, prompt_token_ids
 from loraplex.engine.sampler import Sampler
@@ -144,6 +145,7 @@ class Engine(StepPipeline):
         self._num_scoring = 0
         self.last_stats: StepStats | None = None
         self._in_flight: deque[InFlightStep] = deque()  # launched steps not yet completed, oldest first
+        self.gc_pacer = GcPacer()  # collections where a step is in flight (step_overlapped)
         # The model and tables are built: collect once and move everything alive now out of the
         # collector's reach, so no full collection over them lands inside a step later.
         gc.collect()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from loraplex.engine.gc_pacing import GcPacer
 from loraplex.engine.model_runner import ForwardResult
 from loraplex.engine.pending_tokens import PendingTokens
 from loraplex.engine.sampler import PendingSample
@@ -75,6 +76,7 @@ class StepPipeline:
     last_stats: StepStats | None
     _in_flight: deque[InFlightStep]
     _num_scoring: int
+    gc_pacer: GcPacer
 
     def step(self) -> list[RequestDelta]:
         """Run one step to its end: schedule, run the model, sample, stop checks. Returns what
@@ -96,6 +98,8 @@ class StepPipeline:
         self.last_stats = None
         in_flight = bool(self._in_flight)
         failed = self._launch()
+        if self._in_flight:  # device work queued: a collection now overlaps it (engine/gc_pacing.py)
+            self.gc_pacer.after_launch()
         return failed + (self._complete() if in_flight else [])
 
     def _launch(self) -> list[RequestDelta]:

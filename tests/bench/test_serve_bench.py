@@ -27,6 +27,9 @@ def test_smoke_in_process_through_the_cli(tmp_path: Path) -> None:
         assert r["output_tokens"] == want_tokens and r["latency"]["requests"] == len(workload["requests"])
         assert r["latency"]["ttft_s"]["p50"] > 0 and r["output_tokens_per_s"] > 0
         assert r["steps"]["count"] > 0 and set(r["steps"]["by_kind"]) <= {"decode", "mixed", "prefill"}
+        # the paced passes are among the passes the run saw
+        assert all(0 <= p <= n for p, n in zip(r["gc"]["paced"], r["gc"]["passes"], strict=True))
+    assert "Python GC passes during the run" in (tmp_path / "serve.md").read_text()
     assert report["adapters"]["steps"]["lora_segments_max"] >= 2  # adapters really were mixed
     assert report["base_only"]["steps"]["lora_segments_max"] == 0
     assert set(report["adapters"]["by_popularity"]) == {"base", "hot", "cold"}
