@@ -9,7 +9,6 @@ was admitted with until it finishes or is aborted.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 import sys
@@ -34,7 +33,7 @@ from loraplex.adapters.tier_setup import build_tiers
 from loraplex.config import EngineConfig, ModelConfig, dtype_warning
 from loraplex.engine.adapter_admission import AdapterAdmission
 from loraplex.engine.cuda_graphs import StaticStepRunner, graph_limits
-from loraplex.engine.gc_pacing import GcPacer
+from loraplex.engine.gc_pacing import GcPacer, freeze_long_lived
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.prompt_tokens import eos_token_ids, prompt_token_ids
 from loraplex.engine.sampler import Sampler
@@ -148,8 +147,7 @@ class Engine(StepPipeline):
         self.gc_pacer = GcPacer()  # collections where a step is in flight (step_overlapped)
         # The model and tables are built: collect once and move everything alive now out of the
         # collector's reach, so no full collection over them lands inside a step later.
-        gc.collect()
-        gc.freeze()
+        freeze_long_lived()
 
     @property
     def base(self) -> BaseIdentity:
@@ -184,7 +182,9 @@ class Engine(StepPipeline):
         """Register already imported (normalized, verified) weights: load them, then name them.
         `revision`: the content's revision when the caller computed it already (the control plane
         does, off this thread: hashing a large adapter here would hold up every step)."""
-        return self.admission.register(name, imported, revision, tenant, visibility)
+        ref = self.admission.register(name, imported, revision, tenant, visibility)
+        freeze_long_lived()  # its weights live until retired: no full collection walks them again
+        return ref
 
     def retire_adapter(self, ref: AdapterRef) -> None:
         """Take a revision out of service: new requests are refused, running ones finish on it, and

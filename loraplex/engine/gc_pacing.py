@@ -16,7 +16,12 @@ next launch. The step loop allocates few tracked objects per step, so its own al
 reach the threshold between two launches; other threads' allocations (the server's event loop)
 still can, and their passes stay where the interpreter puts them.
 
-Nothing here changes the collector's settings: with collection disabled (`gc.disable()`, or a
+What a full pass walks is what `freeze_long_lived` has not frozen. The engine freezes its heap
+at the end of startup, and again after each adapter registration: on the H200 the 32 bench
+adapters' weights (14,432 tensors, 7,168 pair records and their lists and dicts, ~51k tracked
+objects) made every full pass take 9-13 ms, and each registered adapter adds ~1,600.
+
+Nothing here changes the collector's thresholds: with collection disabled (`gc.disable()`, or a
 zero threshold) the pacer does nothing, and an application that tunes `gc.set_threshold` is
 paced by its own thresholds.
 """
@@ -63,3 +68,13 @@ class GcPacer:
         gc.collect(gen)
         self.seconds += time.perf_counter() - start
         self.passes[gen] += 1
+
+
+def freeze_long_lived() -> None:
+    """Collect, then move every object alive now out of the collector's reach (`gc.freeze`): for
+    what lives until shutdown or retirement (the model, an adapter's weights). Frozen objects are
+    still freed by reference counting when dropped; only a reference cycle alive at the freeze
+    that is dropped later stays, so this runs at rare moments (startup, a registration), not per
+    request."""
+    gc.collect()
+    gc.freeze()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +130,22 @@ def test_the_bench_watch_counts_passes_and_which_the_pacer_ran(collector: None) 
     summary = watch.summary()
     assert summary["passes"] == [1, 1, 0] and summary["paced"] == [1, 0, 0]
     assert summary["longest_s"] > 0 and after.summary()["passes"] == [0, 0, 0] and len(keep) == 10
+
+
+def test_a_registered_adapters_weights_are_out_of_the_collectors_reach(tmp_path: Path) -> None:
+    """After a registration no full pass walks the adapter's weights (their pair records, with
+    their tensors, are frozen), and the adapter serves."""
+    from helpers.tiny_models import make_peft_adapter
+
+    from loraplex.lora.weights import LoRAPair
+
+    hf = build_hf_model("llama", seed=5)
+    base = save_hf_model(hf, tmp_path / "base")
+    adapter = make_peft_adapter(hf, tmp_path / "a", r=4, target_modules=["q_proj", "down_proj"], seed=50)
+    llm = LLM(base, seed=1)
+    llm.register_adapter("a", adapter)
+    assert not [o for o in gc.get_objects() if isinstance(o, LoRAPair)]
+    out = llm.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), adapters="a"
+    )
+    assert len(out[0].token_ids) == 3
