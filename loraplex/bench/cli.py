@@ -90,6 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
             bench = replace(bench, hf_time_limit_s=args.hf_time_limit)
         if args.http_compare:
             bench = replace(bench, http_compare=True)
+        if args.step_records:
+            bench = replace(bench, step_records=True)
         if args.more_seeds:
             bench = replace(bench, more_seeds=tuple(int(x) for x in args.more_seeds.split(",")))
         if args.poisson_factor is not None:
@@ -208,6 +210,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--budget-sweep",
         help="then the workload base-only at each of these step token budgets (comma list, at most "
         "--max-num-batched-tokens), admission batching off, same engine",
+    )
+    s.add_argument(
+        "--step-records",
+        action="store_true",
+        help="keep every step's record (start, seconds, rows, decode rows, ...) in serve.json, per run",
     )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     add_workload_flags(s)

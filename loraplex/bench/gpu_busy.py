@@ -61,6 +61,17 @@ class BusyWindow:
         self.fraction = union_length(intervals) * 1e-6 / self.window_s if self.window_s > 0 else None
         self.by_kind, self.top_kernels = time_by_kind(kernels)
 
+    def summary(self) -> dict[str, Any]:
+        """The window as `bench serve` reports it (`gpu_busy`)."""
+        return {
+            "fraction": self.fraction,
+            "window_s": self.window_s,
+            "kernels": self.kernels,
+            # kernel time by kind as a fraction of the window (kernels on two streams each count)
+            "by_kind": {k: v / self.window_s for k, v in self.by_kind.items()} if self.window_s else {},
+            "top_kernels": self.top_kernels,
+        }
+
 
 # Kernel kinds by name (the first match wins). The package's Triton kernels are named by their
 # functions; cuBLAS's GEMM kernels by their library's conventions (nvjet, sm90_xmma, cutlass).

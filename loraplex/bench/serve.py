@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.bench.gc_watch import GcWatch
 from loraplex.bench.gpu_busy import BusyWindow
-from loraplex.bench.serve_metrics import RequestTiming, StepRecord, summarize
+from loraplex.bench.serve_metrics import RequestTiming, StepRecord, step_records, summarize
 from loraplex.bench.serve_model import ServeBenchArgs, build_engine, prompt_ids
 from loraplex.bench.serve_more import budget_sweep, more_runs
 from loraplex.bench.workloads import Workload, WorkloadRequest, generate
@@ -72,6 +72,7 @@ def run_in_process(
     skip_first: int = 0,
     replay: Replay | None = None,
     profile: bool = False,
+    records: bool = False,
 ) -> dict[str, Any]:
     """Replay `workload` on `engine`; returns the summary (see serve_metrics.summarize).
     `tier_of(adapter name)`: the residency tier the adapter is in as its request arrives (the
@@ -80,7 +81,7 @@ def run_in_process(
     warms up in them). `replay`: prompts, cache salt, logprobs, outputs kept (see `Replay`).
     `profile`: measure the GPU busy fraction over a window of the run (CUDA only), which stalls
     the requests in flight while the profiler starts and stops (`busy_of` keeps it out of the
-    measured runs)."""
+    measured runs). `records`: the summary also holds every step's record (`step_records`)."""
     from loraplex.types import SamplingParams
 
     replay = replay or Replay()
@@ -212,15 +213,10 @@ def run_in_process(
         wall = max(t.finish_s or 0.0 for t in done) - since
     budget = engine.scheduler.token_budget  # the live one: a budget sweep lowers it
     summary = summarize(done, steps, wall, engine.config.scheduler.max_num_seqs, step_budget=budget)
-    summary["gpu_busy"] = {
-        "fraction": busy.fraction,
-        "window_s": busy.window_s,
-        "kernels": busy.kernels,
-        # kernel time by kind as a fraction of the window (kernels on two streams each count)
-        "by_kind": {k: v / busy.window_s for k, v in busy.by_kind.items()} if busy.window_s else {},
-        "top_kernels": busy.top_kernels,
-    }
+    summary["gpu_busy"] = busy.summary()
     summary["gc"] = gc_watch.summary()
+    if records:
+        summary["step_records"] = step_records(steps)
     summary["prefix_cache_hit_tokens"] = (prefix.stats.hit_tokens - hits_before) if prefix is not None else 0
     return summary
 
@@ -274,9 +270,10 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
             "step_token_budget": engine.config.scheduler.step_token_budget,
             "admission_batch_tokens": engine.config.scheduler.admission_batch_tokens,
         }
-        report["adapters"] = run_in_process(engine, names, workload, base_only=False, progress=progress)
+        keep = args.step_records
+        report["adapters"] = run_in_process(engine, names, workload, False, progress, records=keep)
         if args.base_compare:
-            report["base_only"] = run_in_process(engine, names, workload, base_only=True, progress=progress)
+            report["base_only"] = run_in_process(engine, names, workload, True, progress, records=keep)
             report["ratios"] = {
                 "output_tokens_per_s_vs_base": report["adapters"]["output_tokens_per_s"]
                 / report["base_only"]["output_tokens_per_s"]
@@ -303,7 +300,7 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
         }  # the warm-up requests and every measured run
 
         def replay(other: Workload, base_only: bool) -> dict[str, Any]:
-            return run_in_process(engine, names, other, base_only=base_only, progress=progress)
+            return run_in_process(engine, names, other, base_only, progress, records=args.step_records)
 
         more_runs(report, args, replay)
         budget_sweep(report, args, engine.scheduler, replay)

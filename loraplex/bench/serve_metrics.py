@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from typing import Any
 
 
@@ -154,6 +154,23 @@ def run_phases(
     return phases
 
 
+def step_records(steps: list[StepRecord]) -> dict[str, Any]:
+    """Every step's record as rows of numbers under their field names (`bench serve --step-records`)."""
+    return {"fields": [f.name for f in fields(StepRecord)], "rows": [list(astuple(s)) for s in steps]}
+
+
+def mixed_by_rows(steps: list[StepRecord], max_num_seqs: int) -> dict[str, dict[str, Any]]:
+    """The mixed steps beside a nearly full decode batch (at most an eighth short), by rows rounded
+    up to a multiple of 64: their count and median seconds. Against the full decode step's median,
+    what prompt rows cost at each step size."""
+    near_full = max_num_seqs - max_num_seqs // 8
+    by: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        if s.kind == "mixed" and s.decode_rows >= near_full:
+            by[-(-s.rows // 64) * 64].append(s.seconds)
+    return {str(r): {"count": len(v), "median_s": statistics.median(v)} for r, v in sorted(by.items())}
+
+
 def full_decode_steps(steps: list[StepRecord], max_num_seqs: int) -> list[float]:
     """Seconds of the pure decode steps of a full batch: the speed the engine would give if no
     prompt ever arrived, which the output rate with prefill is compared against."""
@@ -252,6 +269,7 @@ def summarize(
                 "median_s": full_median,
                 "output_tokens_per_s": max_num_seqs / full_median if full_median else None,
             },
+            "mixed_full_batch_by_rows": mixed_by_rows(steps, max_num_seqs),
             # what these step costs allow against that (None: no budget given, or too few steps)
             "decode_bound": decode_bound(steps, output, max_num_seqs, step_budget) if step_budget else None,
         },

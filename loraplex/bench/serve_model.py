@@ -52,6 +52,7 @@ class ServeBenchArgs:
     # Then the workload base-only at each of these step token budgets (admission batching off),
     # on the same engine: which budget hides prefill under decode best.
     budget_sweep: tuple[int, ...] = ()
+    step_records: bool = False  # every step's record in each run's summary (`step_records`)
 
     @classmethod
     def smoke_args(cls, **overrides: Any) -> ServeBenchArgs:  # noqa: ANN401

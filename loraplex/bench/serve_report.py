@@ -176,6 +176,14 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{s['batch_occupancy_mean']:.2f}; CUDA-graph replays of decode steps "
                 f"{'-' if replay is None else f'{replay:.2f}'}",
             ]
+            by_rows = s.get("mixed_full_batch_by_rows") or {}
+            full = s["full_batch_decode"]["median_s"]
+            if by_rows and full:
+                lines.append(
+                    "mixed steps beside a full decode batch, median ms by rows (rounded up to 64): "
+                    + ", ".join(f"{r}: {v['median_s'] * 1e3:.2f}" for r, v in by_rows.items())
+                    + f"; full decode step {full * 1e3:.2f}"
+                )
     return "\n".join(lines) + "\n"
 
 

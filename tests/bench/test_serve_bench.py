@@ -399,3 +399,37 @@ def test_more_seeds_and_poisson_follow_the_closed_loop_run_on_the_same_engine(tm
     assert poisson["run"]["latency"]["requests"] == 12
     assert "seed 5: with adapters / base-only" in report["ratios"]
     assert "seed 5, with adapters" in (tmp_path / "serve.md").read_text()
+
+
+def test_mixed_steps_by_rows_keep_only_those_beside_a_nearly_full_batch() -> None:
+    """Mixed steps with at most an eighth of the batch missing, by rows rounded up to 64; pure
+    decode steps, prefill steps and mixed steps beside a thin batch left out."""
+    from loraplex.bench.serve_metrics import StepRecord, mixed_by_rows, step_records
+
+    def step(seconds: float, rows: int, decode: int) -> StepRecord:
+        return StepRecord(0.0, seconds, rows, decode, 0, decode + 1, True)
+
+    steps = [
+        step(0.010, 120, 60),  # -> 128
+        step(0.012, 128, 63),  # -> 128
+        step(0.014, 127, 62),  # -> 128
+        step(0.020, 384, 56),  # -> 384 (exactly an eighth short)
+        step(0.050, 384, 55),  # a thin batch: left out
+        step(0.007, 64, 64),  # pure decode: left out
+        step(0.009, 300, 0),  # prefill only: left out
+    ]
+    got = mixed_by_rows(steps, 64)
+    assert got == {"128": {"count": 3, "median_s": 0.012}, "384": {"count": 1, "median_s": 0.020}}
+    rec = step_records(steps[:2])
+    assert rec["fields"][:4] == ["start_s", "seconds", "rows", "decode_rows"]
+    assert rec["rows"] == [[0.0, 0.010, 120, 60, 0, 61, True], [0.0, 0.012, 128, 63, 0, 64, True]]
+
+
+def test_step_records_on_request(tmp_path: Path) -> None:
+    report = run(replace(ServeBenchArgs.smoke_args(), step_records=True), tmp_path, progress=False)
+    for name in ("adapters", "base_only"):
+        rec = report[name]["step_records"]
+        assert len(rec["rows"]) == report[name]["steps"]["count"]
+        kinds = {"decode" if r[3] == r[2] else "mixed" if r[3] else "prefill" for r in rec["rows"]}
+        assert kinds == set(report[name]["steps"]["by_kind"])
+    assert "step_records" not in run(ServeBenchArgs.smoke_args(), tmp_path / "plain", progress=False)["adapters"]
