@@ -11,13 +11,15 @@
 #            generation: then the ratio is a lower bound from its measured step pace (~8 min)
 #   http     256 streams over HTTP against a server on the same engine in its own process, and
 #            in-process (~5 min)
+#   long     the targets' workload at 3,000 requests, with adapters and base-only, every step's
+#            record kept: the worst step and the GC passes of a longer run (~5 min)
 # Results under $RESULTS (default bench-results/serve-gpu-check/PART); the report's summary lines
 # are printed last. The GPU image lacks the server's packages: install carried wheels onto
 # PYTHONPATH first (the device tool's notes say how).
-#   usage: scripts/serve_gpu_check.sh targets|sweep|hf|http [extra bench serve args]
+#   usage: scripts/serve_gpu_check.sh targets|sweep|hf|http|long [extra bench serve args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: scripts/serve_gpu_check.sh targets|sweep|hf|http [bench serve args]}
+part=${1:?usage: scripts/serve_gpu_check.sh targets|sweep|hf|http|long [bench serve args]}
 shift
 PY=${PYTHON:-python3}
 OUT_DIR=${RESULTS:-bench-results/serve-gpu-check}/$part
@@ -32,13 +34,14 @@ case "$part" in
   hf) args=(--arrivals closed:64 --no-base-compare --hf-compare --hf-requests 64 --hf-time-limit "${HF_TIME_LIMIT:-240}"
     --workdir "${WORKDIR:-bench-results/serve-checkpoint}") ;;
   http) args=(--arrivals closed:256 --max-num-seqs 256 --no-base-compare --http-compare) ;;
-  *) echo "unknown part: $part (targets, sweep, hf or http)" >&2; exit 2 ;;
+  long) args=(--arrivals closed:64 --num-requests 3000 --step-records) ;;
+  *) echo "unknown part: $part (targets, sweep, hf, http or long)" >&2; exit 2 ;;
 esac
 timeout -s INT "${SERVE_TIMEOUT:-570}" $PY -m loraplex.bench.cli serve "${WORKLOAD[@]}" "${args[@]}" "$@" \
   > "$OUT_DIR/serve.log" 2>&1
 rc=$?
 grep -v "Warning\|_warn_once" "$OUT_DIR/serve.log" | tail -4
 # the runs' table, the ratios, startup and busy lines
-[ -f "$OUT_DIR/serve.md" ] && grep -E '^\| [^|]*[a-z][^|]* \| [0-9.]+ \| [0-9.-]+ \| [0-9.]+ \|$|^output tokens|^base-only output|^base-only run by phase|: [0-9.]+$|^startup|^GPU busy|^kernel time' \
+[ -f "$OUT_DIR/serve.md" ] && grep -E '^\| [^|]*[a-z][^|]* \| [0-9.]+ \| [0-9.-]+ \| [0-9.]+ \|$|^output tokens|^base-only output|^base-only run by phase|: [0-9.]+$|^startup|^GPU busy|^kernel time|^Python GC|^mixed steps|^steps:' \
   "$OUT_DIR/serve.md"
 exit $rc
