@@ -432,4 +432,6 @@ def test_step_records_on_request(tmp_path: Path) -> None:
         assert len(rec["rows"]) == report[name]["steps"]["count"]
         kinds = {"decode" if r[3] == r[2] else "mixed" if r[3] else "prefill" for r in rec["rows"]}
         assert kinds == set(report[name]["steps"]["by_kind"])
-    assert "step_records" not in run(ServeBenchArgs.smoke_args(), tmp_path / "plain", progress=False)["adapters"]
+    assert (
+        "step_records" not in run(ServeBenchArgs.smoke_args(), tmp_path / "plain", progress=False)["adapters"]
+    )
