@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.lora.packed import pack_layout, packed_weights
+from loraplex.lora.packed import PackedViews, pack_layout, packed_weights
 from loraplex.lora.weights import AdapterWeights
 
 
@@ -64,9 +64,14 @@ class HostCache:
         if weights.packed is not None and weights.layout is lay:  # packed alike (a pool extent): one copy
             flat.copy_(weights.packed)
             return copy
-        for key, p in copy.pairs.items():  # copy_ converts device and dtype
+        views = copy.pairs
+        for key, p in views.items():  # copy_ converts device and dtype
             p.a.copy_(weights.pairs[key].a.detach())
             p.b.copy_(weights.pairs[key].b.detach())
+        if isinstance(views, PackedViews):
+            # Only the copy needed them: a load copies the one packed span, and a cached adapter
+            # kept with its views would be ~3 tracked objects a pair for every full GC pass.
+            views.forget()
         return copy
 
     def put(self, revision: str, weights: AdapterWeights, keep: bool = False) -> AdapterWeights:

@@ -139,6 +139,11 @@ class PackedViews(Mapping[PairKey, LoRAPair]):
         """Whether the views exist yet (tests check that a load does not make them)."""
         return self._pairs is not None
 
+    def forget(self) -> None:
+        """Drop the views made so far; the next read makes them again. (A cached adapter's views
+        are ~3 tracked objects a pair that every full garbage-collection pass walks.)"""
+        self._pairs = None
+
     def _built(self) -> dict[PairKey, LoRAPair]:
         if self._pairs is None:
             flat, start, elem = self._flat, self._start, self._layout.elem

@@ -99,6 +99,15 @@ def test_host_copies_are_packed_like_the_pool_so_a_load_is_one_copy() -> None:
     assert _equal(dst, loose)
 
 
+def test_a_host_copy_keeps_no_views_of_its_pairs() -> None:
+    """The per-pair views the copy wrote through are dropped (each is a tracked object every full
+    GC pass would walk while the adapter stays cached); a read makes them again, right."""
+    src = _weights(6)
+    host = HostCache(1 << 20, DTYPE).host_copy(src)
+    assert not host.pairs.built  # type: ignore[attr-defined]
+    assert _equal(host, src) and host.pairs.built  # type: ignore[attr-defined]
+
+
 def test_a_load_is_resident_only_once_its_copy_completed() -> None:
     res = _residency(1 << 20)
     copier = ManualCopier()
