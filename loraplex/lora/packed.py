@@ -8,7 +8,9 @@ alignment; see `lora/triton_table.py`), padded only to that alignment, never to 
 `PackedLayout`: where each tensor goes, the footprint, the facts the engine reads, and per-pair
 arrays from which the kernels' pointer tables are filled by a few vectorized operations
 (`PackedLayout.arrays`, made on first use). Whatever is placed with the same layout object
-reuses all of it, so a load does no Python work per (layer, target) pair.
+reuses all of it, so a load does no Python work per (layer, target) pair. Adapters of the same
+shapes and scales share one layout object (`pack_layout` keeps the last 256 by what determines
+them).
 
 `packed_weights(flat, start, layout)` is an adapter as views of a buffer. Its pairs (two tensor
 views per (layer, target), 448 for an 8B model on all seven targets) are made only when first read
@@ -17,6 +19,8 @@ views per (layer, target), 448 for an 8B model on all seven targets) are made on
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -97,14 +101,23 @@ class PackedLayout:
         return all(p.a_shape[0] % 8 == 0 for p in self.pairs)
 
 
+# Layouts by what determines them (element size; each pair's key, shapes and scale): adapters of
+# the same shapes share one layout object, its pairs and arrays, and the kernels' column image
+# (lora/triton_table.py); an adapter loaded at runtime then adds no per-pair objects for the
+# garbage collector to walk. A few dozen distinct shapes is a large deployment.
+_LAYOUTS_KEPT = 256
+_layouts: OrderedDict[tuple[object, ...], PackedLayout] = OrderedDict()
+_layouts_lock = threading.Lock()
+
+
 def pack_layout(weights: AdapterWeights, elem: int) -> PackedLayout:
     """The layout of `weights` packed at `elem` bytes per element; validates the shapes first.
-    Weights that carry a layout at that element size (`packed_weights`) are not walked again."""
+    Weights that carry a layout at that element size (`packed_weights`) are not walked again;
+    weights of the same shapes and scales as an earlier call's get that call's layout object."""
     known = weights.layout
     if known is not None and known.elem == elem:
         return known
-    pairs: list[PackedPair] = []
-    off = actual = 0
+    shapes: list[tuple[PairKey, int, int, int, float]] = []
     for pkey in sorted(weights.pairs):
         pair = weights.pairs[pkey]
         if pair.a.dim() != 2 or pair.b.dim() != 2:
@@ -112,12 +125,30 @@ def pack_layout(weights: AdapterWeights, elem: int) -> PackedLayout:
                 f"{pkey}: A and B must be 2-D, got {tuple(pair.a.shape)} and {tuple(pair.b.shape)}"
             )
         rank, d_in = (int(n) for n in pair.a.shape)
-        d_out = int(pair.b.shape[0])
         if pair.b.shape[1] != rank:
             raise ValueError(f"{pkey}: B {tuple(pair.b.shape)} does not match A's rank {rank}")
+        shapes.append((pkey, rank, d_in, int(pair.b.shape[0]), float(pair.scale)))
+    key = (elem, *shapes)
+    with _layouts_lock:
+        lay = _layouts.get(key)
+        if lay is not None:
+            _layouts.move_to_end(key)
+            return lay
+    lay = _build_layout(shapes, elem)
+    with _layouts_lock:
+        lay = _layouts.setdefault(key, lay)  # (another thread's, if it built the same one first)
+        while len(_layouts) > _LAYOUTS_KEPT:
+            _layouts.popitem(last=False)
+    return lay
+
+
+def _build_layout(shapes: list[tuple[PairKey, int, int, int, float]], elem: int) -> PackedLayout:
+    pairs: list[PackedPair] = []
+    off = actual = 0
+    for pkey, rank, d_in, d_out, scale in shapes:
         a_bytes, b_bytes = rank * d_in * elem, d_out * rank * elem
         b_off = off + round_up(a_bytes)
-        pairs.append(PackedPair(pkey, off, (rank, d_in), b_off, (d_out, rank), pair.scale))
+        pairs.append(PackedPair(pkey, off, (rank, d_in), b_off, (d_out, rank), scale))
         off = b_off + round_up(b_bytes)
         actual += a_bytes + b_bytes
     ranks = {p.key: p.a_shape[0] for p in pairs}

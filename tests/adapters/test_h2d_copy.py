@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 from loraplex.adapters.device_pool import AdapterPool
@@ -191,3 +192,23 @@ def test_a_loads_host_work_does_not_grow_with_its_pairs() -> None:
     """A 16-layer adapter's load makes exactly as many calls as a 2-layer one's: nothing on the
     path from the load's start to usable kernel tables walks the (layer, target) pairs."""
     assert _calls_of_one_load(16) == _calls_of_one_load(2)
+
+
+def test_adapters_of_the_same_shapes_share_one_layout() -> None:
+    """Host copies of two adapters with the same pairs, shapes and scales carry one layout object
+    (its pairs and arrays made once); another rank or scale gets its own; bad shapes still raise."""
+    from loraplex.lora.packed import pack_layout
+
+    host = HostCache(1 << 22, DTYPE)
+    one, two = host.host_copy(_weights(11)), host.host_copy(_weights(12))
+    assert one.layout is not None and one.layout is two.layout
+    assert _equal(one, _weights(11)) and _equal(two, _weights(12))  # the weights stay their own
+    other_rank = host.host_copy(_weights(13, rank=8))
+    assert other_rank.layout is not one.layout and other_rank.layout is not None
+    rescaled = _weights(14)
+    rescaled.pairs[(0, "q")] = LoRAPair(rescaled.pairs[(0, "q")].a, rescaled.pairs[(0, "q")].b, 3.0)
+    assert pack_layout(rescaled, 4) is not one.layout
+    bad = _weights(15)
+    bad.pairs[(1, "down")] = LoRAPair(torch.zeros(4, 40), torch.zeros(24, 5), 2.0)
+    with pytest.raises(ValueError, match="does not match A's rank"):
+        pack_layout(bad, 4)
