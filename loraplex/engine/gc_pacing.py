@@ -12,14 +12,17 @@ interpreter would run soon: once the youngest generation's count reaches `share`
 threshold, the generation the interpreter's next automatic pass would take (by the same counts
 and thresholds). One step ahead (`Engine.step_overlapped`) the device then holds the step in
 flight and the one just launched, so the pass overlaps their kernels instead of delaying the
-next launch. The step loop allocates few tracked objects per step, so its own allocations rarely
+next launch (by as much of it as they take: a 23 ms pass still outlasted them on the H200). The
+step loop allocates few tracked objects per step, so its own allocations rarely
 reach the threshold between two launches; other threads' allocations (the server's event loop)
 still can, and their passes stay where the interpreter puts them.
 
-What a full pass walks is what `freeze_long_lived` has not frozen. The engine freezes its heap
-at the end of startup, and again after each adapter registration: on the H200 the 32 bench
-adapters' weights (14,432 tensors, 7,168 pair records and their lists and dicts, ~51k tracked
-objects) made every full pass take 9-13 ms, and each registered adapter adds ~1,600.
+So what a full pass walks must stay small: what `freeze_long_lived` has not frozen. The engine
+freezes its heap at the end of startup, and again after each adapter registration: on the H200
+the 32 bench adapters' weights, registered after startup (14,432 tensors, 7,168 pair records and
+their lists and dicts, ~51k tracked objects), made every full pass take 9-13 ms. Adapters loaded
+at runtime are not frozen; they leave a few objects each (`lora/packed.py` shares layouts, and a
+host copy keeps no per-pair views).
 
 Nothing here changes the collector's thresholds: with collection disabled (`gc.disable()`, or a
 zero threshold) the pacer does nothing, and an application that tunes `gc.set_threshold` is
