@@ -161,14 +161,22 @@ def step_records(steps: list[StepRecord]) -> dict[str, Any]:
 
 def mixed_by_rows(steps: list[StepRecord], max_num_seqs: int) -> dict[str, dict[str, Any]]:
     """The mixed steps beside a nearly full decode batch (at most an eighth short), by rows rounded
-    up to a multiple of 64: their count and median seconds. Against the full decode step's median,
-    what prompt rows cost at each step size."""
+    up to a multiple of 64: their count, median seconds and mean decode rows. Against the full
+    decode step's median, what prompt rows cost at each step size (and the simulator's price of a
+    step with prefill: sim_cost.with_measured_steps)."""
     near_full = max_num_seqs - max_num_seqs // 8
-    by: dict[int, list[float]] = defaultdict(list)
+    by: dict[int, list[StepRecord]] = defaultdict(list)
     for s in steps:
         if s.kind == "mixed" and s.decode_rows >= near_full:
-            by[-(-s.rows // 64) * 64].append(s.seconds)
-    return {str(r): {"count": len(v), "median_s": statistics.median(v)} for r, v in sorted(by.items())}
+            by[-(-s.rows // 64) * 64].append(s)
+    return {
+        str(r): {
+            "count": len(v),
+            "median_s": statistics.median(s.seconds for s in v),
+            "decode_rows_mean": statistics.fmean(s.decode_rows for s in v),
+        }
+        for r, v in sorted(by.items())
+    }
 
 
 def full_decode_steps(steps: list[StepRecord], max_num_seqs: int) -> list[float]:

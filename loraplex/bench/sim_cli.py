@@ -57,6 +57,8 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit("error: no run of the --fit or --check files matches --fit-runs or --check-runs")
     if fitted:
         cost = sim_fit.fit(fitted)
+    if args.step_costs:
+        cost = _measured(cost, args.step_costs)
     sim = SimConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -96,6 +98,24 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measured(cost: Any, where: str) -> Any:  # noqa: ANN401 (StepCost, imported lazily)
+    """`cost` with its steps priced by the run `FILE[:RUN]` of a serve.json (default base_only)."""
+    from loraplex.bench.sim_cost import with_measured_steps
+
+    path, _, run = where.partition(":")
+    report = json.loads(Path(path).read_text())
+    key = run or "base_only"
+    summary = report.get(key)
+    if summary is None:  # a further run, by its name (`more_runs`)
+        summary = next((m["run"] for m in report.get("more_runs", []) if m["name"] == key), None)
+    if summary is None:
+        raise SystemExit(f"error: {path} has no run {key!r}")
+    try:
+        return with_measured_steps(cost, summary["steps"], report["model"]["max_num_seqs"], f"{path}:{key}")
+    except ValueError as err:
+        raise SystemExit(f"error: {path}:{key}: {err}") from None
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate",
@@ -114,6 +134,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--starvation-s", type=float, default=10.0, help="TTFT past which a request starves")
     p.add_argument("--cost", type=Path, help="step-cost coefficients (JSON, as in simulate.json's cost)")
     p.add_argument("--fit", type=Path, nargs="+", help="fit the step costs to these serve.json results")
+    p.add_argument(
+        "--step-costs",
+        metavar="FILE[:RUN]",
+        help="price steps by a serve.json run's measured steps (default run base_only; a run of "
+        "--more-runs by its name): mixed steps by their medians by rows, decode steps by the full one",
+    )
     p.add_argument(
         "--check", type=Path, nargs="+", help="report predicted against measured for these serve.json"
     )

@@ -71,15 +71,37 @@ class StepCost:
     host_load_s: float  # one adapter, host memory -> device slot
     disk_load_s: float  # one adapter, disk -> device slot (through host memory)
     source: str = ""  # where the numbers come from
+    # Steps with prefill priced by measurement instead (`with_measured_steps`): (rows rounded up
+    # to 64, median seconds, mean decode rows beside) per row count measured; empty: the terms above.
+    mixed_by_rows: tuple[tuple[int, float, float], ...] = ()
 
     def seconds(self, s: StepShape) -> float:
+        lora = self.lora_row_s * s.lora_rows + self.segment_s * s.segments
+        if s.prefill_rows and self.mixed_by_rows:
+            return self._measured_mixed(s) + lora
         return (
             (self.graph_step_s if s.graph else self.eager_step_s)
             + self.prefill_token_s * s.prefill_rows
             + self.decode_row_s * s.decode_rows
-            + self.lora_row_s * s.lora_rows
-            + self.segment_s * s.segments
+            + lora
         )
+
+    def _measured_mixed(self, s: StepShape) -> float:
+        """The measured median at the step's rows rounded up to 64 (linear between measured row
+        counts, and past either end along the nearest two, or `prefill_token_s` from a single
+        one), less the decode rows the step has fewer than the measured steps had."""
+        rows = -(-s.rows // 64) * 64
+        pts = sorted(self.mixed_by_rows)
+        if len(pts) == 1:
+            r0, t0, d0 = pts[0]
+            t = t0 + self.prefill_token_s * (rows - r0)
+            return t - self.decode_row_s * (d0 - s.decode_rows)
+        i = next((k for k, p in enumerate(pts) if p[0] >= rows), len(pts))
+        lo, hi = pts[max(0, min(i, len(pts) - 1) - 1)], pts[max(1, min(i, len(pts) - 1))]
+        frac = (rows - lo[0]) / (hi[0] - lo[0])
+        t = lo[1] + frac * (hi[1] - lo[1])
+        beside = lo[2] + frac * (hi[2] - lo[2])
+        return t - self.decode_row_s * (beside - s.decode_rows)
 
     def features(self, s: StepShape) -> list[float]:
         """The step's row of the fit's linear system: seconds = features . FITTED coefficients."""
@@ -93,7 +115,8 @@ class StepCost:
         ]
 
     def with_fitted(self, values: list[float], source: str) -> StepCost:
-        return replace(self, **dict(zip(FITTED, values, strict=True)), source=source)
+        fitted: dict[str, Any] = dict(zip(FITTED, values, strict=True))
+        return replace(self, **fitted, source=source)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,7 +124,28 @@ class StepCost:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StepCost:
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in names})
+        given = {k: v for k, v in raw.items() if k in names}
+        given["mixed_by_rows"] = tuple(tuple(p) for p in given.get("mixed_by_rows", ()))
+        return cls(**given)
+
+
+def with_measured_steps(cost: StepCost, steps: dict[str, Any], max_num_seqs: int, source: str) -> StepCost:
+    """`cost` with steps that carry prefill priced by a `bench serve` run's measured mixed steps
+    (its `steps` summary: `mixed_full_batch_by_rows`, with the full decode step as the point
+    without prompt rows) and pure decode steps by its full decode step's median (the fixed part
+    set so that a full batch costs that). On the H200 the issue
+    workload priced this way came within 0.006 of the measured runs' output rate, where the
+    linear fit was 0.02 high (docs/bench.md)."""
+    table = steps.get("mixed_full_batch_by_rows") or {}
+    full = (steps.get("full_batch_decode") or {}).get("median_s")
+    if not table or not full:
+        raise ValueError("the run has no mixed steps beside a full decode batch, or no full decode step")
+    measured = {int(r): (float(v["median_s"]), float(v["decode_rows_mean"])) for r, v in table.items()}
+    # the full decode step as the point without prompt rows, below the smallest mixed step
+    measured.setdefault(-(-max_num_seqs // 64) * 64, (float(full), float(max_num_seqs)))
+    points = tuple(sorted((r, t, d) for r, (t, d) in measured.items()))
+    graph = max(0.0, full - cost.decode_row_s * max_num_seqs)
+    return replace(cost, mixed_by_rows=points, graph_step_s=graph, source=source)
 
 
 # Priors of the fit (where the serve results leave a direction unmeasured, the fit stays near

@@ -419,7 +419,10 @@ def test_mixed_steps_by_rows_keep_only_those_beside_a_nearly_full_batch() -> Non
         step(0.009, 300, 0),  # prefill only: left out
     ]
     got = mixed_by_rows(steps, 64)
-    assert got == {"128": {"count": 3, "median_s": 0.012}, "384": {"count": 1, "median_s": 0.020}}
+    assert got == {
+        "128": {"count": 3, "median_s": 0.012, "decode_rows_mean": 61.0},
+        "384": {"count": 1, "median_s": 0.020, "decode_rows_mean": 56.0},
+    }
     rec = step_records(steps[:2])
     assert rec["fields"][:4] == ["start_s", "seconds", "rows", "decode_rows"]
     assert rec["rows"] == [[0.0, 0.010, 120, 60, 0, 61, True], [0.0, 0.012, 128, 63, 0, 64, True]]
