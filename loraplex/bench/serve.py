@@ -17,6 +17,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -270,10 +271,10 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
             "step_token_budget": engine.config.scheduler.step_token_budget,
             "admission_batch_tokens": engine.config.scheduler.admission_batch_tokens,
         }
-        keep = args.step_records
-        report["adapters"] = run_in_process(engine, names, workload, False, progress, records=keep)
+        measured = partial(run_in_process, engine, names, progress=progress, records=args.step_records)
+        report["adapters"] = measured(workload, base_only=False)
         if args.base_compare:
-            report["base_only"] = run_in_process(engine, names, workload, True, progress, records=keep)
+            report["base_only"] = measured(workload, base_only=True)
             report["ratios"] = {
                 "output_tokens_per_s_vs_base": report["adapters"]["output_tokens_per_s"]
                 / report["base_only"]["output_tokens_per_s"]
@@ -300,7 +301,7 @@ def run(args: ServeBenchArgs, out_dir: Path | None = None, progress: bool = True
         }  # the warm-up requests and every measured run
 
         def replay(other: Workload, base_only: bool) -> dict[str, Any]:
-            return run_in_process(engine, names, other, base_only, progress, records=args.step_records)
+            return measured(other, base_only=base_only)
 
         more_runs(report, args, replay)
         budget_sweep(report, args, engine.scheduler, replay)
