@@ -1,8 +1,9 @@
-"""The paged-attention Triton kernels: a decode kernel (one query row a sequence, split over the
-context when too few programs would fill the GPU, with a combine kernel) and a prefill kernel
-(flash-attention tiles over a sequence's query rows, causal from the cached prefix on). Both read
-K/V through the padded block table `[S, max_blocks]` int32; nothing is gathered. Launched by
-`attention_triton.paged_attention_triton`.
+"""The paged-attention Triton kernels' shared key walk and the decode kernels: one query row a
+sequence, split over the context when too few programs would fill the GPU, with a combine kernel.
+The prefill kernel (several query rows a sequence) is in `attention_prefill_triton.py`, the one
+launch of a mixed step's decode and prefill programs in `attention_mixed_triton.py`; all walk keys
+with the same tile body and read K/V through the padded block table `[S, max_blocks]` int32
+(nothing is gathered). Launched by `attention_triton.paged_attention_triton`.
 
 Layout (`docs/attention.md`): cache `[num_blocks, block_size, Hkv, D]`; query head h reads kv head
 h // group. Scores, softmax state and the output accumulator are float32; P is cast to the cache
@@ -83,13 +84,14 @@ def _attend_tile(
 def _attend_keys(
     q, k_cache, v_cache, table_row, kv_off, pos, key_lo, key_end, key_hi, window, m_i, l_i, acc, qk_scale,
     stride_cb, stride_cs, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    PREC: tl.constexpr, MASKED: tl.constexpr, FOR_LOOP: tl.constexpr,
+    PREC: tl.constexpr, MASKED: tl.constexpr, FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """`_attend_tile` over the key tiles from key_lo (step BLOCK_N) while below key_end: a for loop
-    over runtime bounds on the GPU (software-pipelined by the compiler), a while loop over the same
-    tiles in the interpreter (numpy >= 2.4 refuses a loaded scalar as a `range` bound)."""
+    over runtime bounds on the GPU (software-pipelined by the compiler, STAGES deep: a loop's own
+    depth, so one kernel can hold walks of different depths), a while loop over the same tiles in
+    the interpreter (numpy >= 2.4 refuses a loaded scalar as a `range` bound)."""
     if FOR_LOOP:
-        for key0 in range(key_lo, key_end, BLOCK_N):
+        for key0 in tl.range(key_lo, key_end, BLOCK_N, num_stages=STAGES):
             m_i, l_i, acc = _attend_tile(
                 q, k_cache, v_cache, table_row, kv_off, pos, key0, key_hi, window, m_i, l_i, acc,
                 qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, MASKED,
@@ -103,6 +105,58 @@ def _attend_keys(
             )  # fmt: skip
             key0 += BLOCK_N
     return m_i, l_i, acc
+
+
+# Pipeline depth of the decode walk (Triton's default for a kernel launched without one).
+DECODE_STAGES = tl.constexpr(3)
+
+
+@triton.jit
+def _decode_program(
+    s_id, kvh, split, n_kv, q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, table_ptr, ctx_ptr,
+    qstart_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    qk_scale, window, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr,
+    FOR_LOOP: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """Decode program (s, kv head, split) of `n_kv` kv heads: the GROUP query heads of one kv head
+    of a one-row sequence, over the split's keys; K/V of that kv head are read once for all its
+    query heads."""
+    row = tl.load(qstart_ptr + s_id)
+    if tl.load(qstart_ptr + s_id + 1) - row != 1:
+        return
+    ctx = tl.load(ctx_ptr + s_id)
+    p_last = ctx - 1
+    lo = tl.maximum(p_last - window + 1, 0)
+    # Each sequence splits its own keys (whole BLOCK_N tiles per split): no launch argument depends
+    # on the step's context lengths, so a CUDA graph can replay this launch for any of them.
+    keys_per_split = tl.cdiv(tl.cdiv(ctx - lo, SPLITS), BLOCK_N) * BLOCK_N
+    k_lo = lo + split * keys_per_split
+    k_hi = tl.minimum(ctx, k_lo + keys_per_split)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kvh * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
+    row64 = row.to(tl.int64)
+    q = tl.load(q_ptr + row64 * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    pos = tl.zeros([G_PAD], dtype=tl.int32) + p_last
+    m_i = tl.zeros([G_PAD], dtype=tl.float32) + NEG_INIT
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    table_row = table_ptr + s_id.to(tl.int64) * stride_bt
+    m_i, l_i, acc = _attend_keys(
+        q, k_cache, v_cache, table_row, kvh * stride_ch, pos, k_lo, k_hi, k_hi, window, m_i, l_i, acc,
+        qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, True, FOR_LOOP, STAGES,
+    )  # fmt: skip
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + row64 * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        base = (s_id.to(tl.int64) * (GROUP * n_kv) + heads) * SPLITS + split  # [G_PAD]
+        tl.store(part_acc + base[:, None] * D_PAD + d[None, :], acc, mask=g[:, None] < GROUP)
+        tl.store(part_ml + base * 2, m_i, mask=g < GROUP)
+        tl.store(part_ml + base * 2 + 1, l_i, mask=g < GROUP)
 
 
 # The block table's row stride is the longest block table of an eager step: a runtime value (a
@@ -138,46 +192,13 @@ def decode_kernel(
     PREC: tl.constexpr,
     FOR_LOOP: tl.constexpr,
 ):
-    """Program (s, kv head, split): the GROUP query heads of one kv head of a one-row sequence, over
-    the split's keys; K/V of that kv head are read once for all its query heads."""
-    s_id = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    row = tl.load(qstart_ptr + s_id)
-    if tl.load(qstart_ptr + s_id + 1) - row != 1:
-        return
-    ctx = tl.load(ctx_ptr + s_id)
-    p_last = ctx - 1
-    lo = tl.maximum(p_last - window + 1, 0)
-    # Each sequence splits its own keys (whole BLOCK_N tiles per split): no launch argument depends
-    # on the step's context lengths, so a CUDA graph can replay this launch for any of them.
-    keys_per_split = tl.cdiv(tl.cdiv(ctx - lo, SPLITS), BLOCK_N) * BLOCK_N
-    k_lo = lo + split * keys_per_split
-    k_hi = tl.minimum(ctx, k_lo + keys_per_split)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    heads = kvh * GROUP + g
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
-    row64 = row.to(tl.int64)
-    q = tl.load(q_ptr + row64 * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    pos = tl.zeros([G_PAD], dtype=tl.int32) + p_last
-    m_i = tl.zeros([G_PAD], dtype=tl.float32) + NEG_INIT
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    table_row = table_ptr + s_id.to(tl.int64) * stride_bt
-    m_i, l_i, acc = _attend_keys(
-        q, k_cache, v_cache, table_row, kvh * stride_ch, pos, k_lo, k_hi, k_hi, window, m_i, l_i, acc,
-        qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, True, FOR_LOOP,
+    """Program (s, kv head, split): `_decode_program`."""
+    _decode_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), q_ptr, k_cache,
+        v_cache, out_ptr, part_acc, part_ml, table_ptr, ctx_ptr, qstart_ptr, stride_qt, stride_qh,
+        stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt, qk_scale, window, GROUP, G_PAD,
+        D, D_PAD, BS, BLOCK_N, SPLITS, PREC, FOR_LOOP, DECODE_STAGES,
     )  # fmt: skip
-    if SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = out_ptr + row64 * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
-    else:
-        base = (s_id.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split  # [G_PAD]
-        tl.store(part_acc + base[:, None] * D_PAD + d[None, :], acc, mask=g[:, None] < GROUP)
-        tl.store(part_ml + base * 2, m_i, mask=g < GROUP)
-        tl.store(part_ml + base * 2 + 1, l_i, mask=g < GROUP)
 
 
 @triton.jit
@@ -212,88 +233,3 @@ def decode_combine_kernel(
     tl.store(
         out_ptr + row.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < D
     )
-
-
-@triton.jit(do_not_specialize=["stride_bt"])
-def prefill_kernel(
-    q_ptr,
-    k_cache,
-    v_cache,
-    out_ptr,
-    table_ptr,
-    ctx_ptr,
-    qstart_ptr,
-    tiles_ptr,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    qk_scale,
-    window,
-    GROUP: tl.constexpr,
-    D: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
-    FOR_LOOP: tl.constexpr,
-    TILE_MAP: tl.constexpr,
-):
-    """Program (s, query tile, q head) of a sequence with >= 2 query rows: rows at positions
-    ctx - q_len + r attend keys j <= position (and > position - window), cached prefix included;
-    key tiles wholly past the tile's last row (or before its window) are never visited.
-
-    TILE_MAP (a captured step): program (i, 0, q head) takes its (s, query tile) from
-    tiles_ptr[i] = s * 65536 + tile (-1: none), so the grid is sized by the step's row capacity,
-    not by sequences x the longest chunk's tiles."""
-    if TILE_MAP:
-        code = tl.load(tiles_ptr + tl.program_id(0))
-        if code < 0:
-            return
-        s_id = code >> 16
-        tile = code & 0xFFFF
-    else:
-        s_id = tl.program_id(0)
-        tile = tl.program_id(1)
-    h = tl.program_id(2)
-    q0 = tl.load(qstart_ptr + s_id)
-    q_len = tl.load(qstart_ptr + s_id + 1) - q0
-    r0 = tile * BLOCK_M
-    if (q_len < 2) | (r0 >= q_len):
-        return
-    ctx = tl.load(ctx_ptr + s_id)
-    first = ctx - q_len
-    r = r0 + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, D_PAD)
-    row_ok = r < q_len
-    pos = first + r
-    rows = (q0 + r).to(tl.int64)
-    io_mask = row_ok[:, None] & (d[None, :] < D)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=io_mask, other=0.0)
-    k_hi = tl.minimum(ctx, first + tl.minimum(q_len, r0 + BLOCK_M))
-    k_lo = tl.maximum(first + r0 - window + 1, 0)
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_INIT
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    table_row = table_ptr + s_id.to(tl.int64) * stride_bt
-    kv_off = (h // GROUP) * stride_ch
-    # Open tiles first: whole key tiles at or below the query tile's first position, which every
-    # row sees (layers without a window only), need no mask; the rest (the diagonal, a window's
-    # edge) take the masked path. Two loops, each software-pipelined on its own.
-    k_mid = k_lo + tl.where(window >= NO_WINDOW_C, (first + r0 + 1 - k_lo) // BLOCK_N, 0) * BLOCK_N
-    m_i, l_i, acc = _attend_keys(
-        q, k_cache, v_cache, table_row, kv_off, pos, k_lo, k_mid, k_hi, window, m_i, l_i, acc,
-        qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, False, FOR_LOOP,
-    )  # fmt: skip
-    m_i, l_i, acc = _attend_keys(
-        q, k_cache, v_cache, table_row, kv_off, pos, k_mid, k_hi, k_hi, window, m_i, l_i, acc,
-        qk_scale, stride_cb, stride_cs, BS, BLOCK_N, D, D_PAD, PREC, True, FOR_LOOP,
-    )  # fmt: skip
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -1,4 +1,5 @@
-"""Launch shapes of the paged-attention kernels (`attention_kernels_triton.py`): tiles per head size and
+"""Launch shapes of the paged-attention kernels (`attention_kernels_triton.py` and its
+siblings): tiles per head size and
 the decode launch's split-K factor. Pure Python (no triton import), so the graph runner and tests
 read them anywhere."""
 

@@ -1,9 +1,10 @@
 """Paged attention on the GPU: the `paged_attention_torch` contract on the Triton kernels of
-`attention_kernels_triton.py`.
+`attention_kernels_triton.py`, `attention_prefill_triton.py` and `attention_mixed_triton.py`.
 
 One step = one KV write launch, then a decode launch (sequences with one query row, plus a combine
-launch when split over the context) and/or a prefill launch (sequences with several query rows);
-in a step with both, the prefill launch runs on a side stream beside the decode launch. Imported
+launch when split over the context) and/or a prefill launch (sequences with several query rows).
+A captured mixed step (a tile map) runs both as one launch, prefill programs first; an eager step
+with both runs the prefill launch on a side stream beside the decode launch. Imported
 only by `attention.paged_attention` on CUDA (or by tests that run it under `TRITON_INTERPRET=1`),
 so the package imports without triton.
 """
@@ -16,13 +17,15 @@ import torch
 import triton
 
 from loraplex.layers.attention_kernels_triton import (
+    DECODE_STAGES,
     LOG2E,
     NO_WINDOW,
     decode_combine_kernel,
     decode_kernel,
-    prefill_kernel,
 )
 from loraplex.layers.attention_metadata import AttentionMetadata
+from loraplex.layers.attention_mixed_triton import mixed_step_kernel
+from loraplex.layers.attention_prefill_triton import prefill_kernel
 from loraplex.layers.attention_tiling import (
     AttentionTiling,
     decode_splits,
@@ -31,7 +34,13 @@ from loraplex.layers.attention_tiling import (
 )
 from loraplex.layers.kv_write_triton import write_kv
 
-__all__ = ["decode_combine_kernel", "decode_kernel", "paged_attention_triton", "prefill_kernel"]
+__all__ = [
+    "decode_combine_kernel",
+    "decode_kernel",
+    "mixed_step_kernel",
+    "paged_attention_triton",
+    "prefill_kernel",
+]
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -79,14 +88,17 @@ def paged_attention_triton(
     for_loop = q.device.type == "cuda"
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     table = meta.block_table
-    # A mixed step's decode rows (memory-bound) and prefill chunks (compute-bound, too few programs
-    # to fill the GPU alone) write disjoint rows: the prefill launch goes on a side stream forked
-    # from and joined back into the current one, so the two overlap, in a captured graph as two
-    # branches. The join comes before anything else reads `out`.
-    side = _side_stream(q.device) if meta.num_decode_seqs and meta.max_query_len > 1 else None
+    # A mixed step's decode rows (memory-bound) and prefill chunks (few long programs, too few to
+    # fill the GPU alone) write disjoint rows. Captured (a tile map): one launch, prefill programs
+    # first (`attention_mixed_triton.py`). Eager: the prefill launch goes on a side stream forked
+    # from and joined back into the current one, so the two overlap; the join comes before
+    # anything else reads `out`.
+    mixed = meta.num_decode_seqs > 0 and meta.max_query_len > 1
+    one_launch = mixed and meta.prefill_tiles is not None
+    side = _side_stream(q.device) if mixed and not one_launch else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(q.device))
-    if meta.max_query_len > 1:
+    if meta.max_query_len > 1 and not one_launch:
         with torch.cuda.stream(side):  # (None: the current stream)
             _launch_prefill(q, k_cache, v_cache, out, meta, cache_strides, qk_scale, window, group,
                             d_pad, bs, prec, for_loop, tiling)  # fmt: skip
@@ -100,13 +112,26 @@ def paged_attention_triton(
             part_ml = torch.empty((n_seq, n_q, splits, 2), dtype=torch.float32, device=q.device)
         else:
             part_acc = part_ml = out  # unused
-        decode_kernel[(n_seq, n_kv, splits)](
-            q, k_cache, v_cache, out, part_acc, part_ml, table, meta.context_lens_t, meta.query_start_t,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, table.stride(0),
-            qk_scale, window,
-            GROUP=group, G_PAD=_pow2(group), D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_N=block_n,
-            SPLITS=splits, PREC=prec, FOR_LOOP=for_loop, num_warps=tiling.num_warps,
-        )  # fmt: skip
+        common = (q, k_cache, v_cache, out, part_acc, part_ml, table, meta.context_lens_t, meta.query_start_t)
+        strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, table.stride(0))
+        if one_launch:
+            tiles = meta.prefill_tiles
+            assert tiles is not None and meta.prefill_tile_rows == tiling.prefill_block_m
+            n_tile_programs = tiles.shape[0] * n_q
+            mixed_step_kernel[(n_tile_programs + n_seq * n_kv * splits,)](
+                *common, tiles, *strides, qk_scale, window, n_tile_programs,
+                GROUP=group, G_PAD=_pow2(group), HKV=n_kv, D=head_dim, D_PAD=d_pad, BS=bs,
+                BLOCK_M=tiling.prefill_block_m, PREFILL_BLOCK_N=tiling.prefill_block_n,
+                PREFILL_STAGES=tiling.prefill_num_stages, DECODE_BLOCK_N=block_n,
+                DECODE_STAGES=DECODE_STAGES.value, SPLITS=splits, PREC=prec, FOR_LOOP=for_loop,
+                num_warps=tiling.num_warps,
+            )  # fmt: skip
+        else:
+            decode_kernel[(n_seq, n_kv, splits)](
+                *common, *strides, qk_scale, window,
+                GROUP=group, G_PAD=_pow2(group), D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_N=block_n,
+                SPLITS=splits, PREC=prec, FOR_LOOP=for_loop, num_warps=tiling.num_warps,
+            )  # fmt: skip
         if splits > 1:
             decode_combine_kernel[(n_seq, n_q)](
                 out, part_acc, part_ml, meta.query_start_t, out.stride(0), out.stride(1),
@@ -151,8 +176,8 @@ def _launch_prefill(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, table.stride(0),
         qk_scale, window,
         GROUP=group, D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=tiling.prefill_block_n,
-        PREC=prec, FOR_LOOP=for_loop, TILE_MAP=meta.prefill_tiles is not None, num_warps=tiling.num_warps,
-        num_stages=tiling.prefill_num_stages,
+        PREC=prec, FOR_LOOP=for_loop, TILE_MAP=meta.prefill_tiles is not None,
+        STAGES=tiling.prefill_num_stages, num_warps=tiling.num_warps, num_stages=tiling.prefill_num_stages,
     )  # fmt: skip
 
 

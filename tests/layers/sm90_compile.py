@@ -38,10 +38,18 @@ def main() -> None:
             for splits in (1, 2):
                 consts = dict(common, G_PAD=16, BLOCK_N=t.decode_block_n, SPLITS=splits)
                 compile_sm90(at.decode_kernel, consts, t.num_warps, pointers)
+            stages = t.prefill_num_stages
             for tile_map in (False, True):
-                consts = dict(common, BLOCK_M=t.prefill_block_m, BLOCK_N=t.prefill_block_n, TILE_MAP=tile_map)
-                stages = t.prefill_num_stages
+                tiles = dict(BLOCK_M=t.prefill_block_m, BLOCK_N=t.prefill_block_n)
+                consts = dict(common, **tiles, TILE_MAP=tile_map, STAGES=stages)
                 compile_sm90(at.prefill_kernel, consts, t.num_warps, pointers, num_stages=stages)
+            for splits in (1, 2):  # a mixed step's one launch: its shared memory is the larger half's
+                consts = dict(
+                    common, G_PAD=16, HKV=32 // group, BLOCK_M=t.prefill_block_m,
+                    PREFILL_BLOCK_N=t.prefill_block_n, PREFILL_STAGES=stages, DECODE_BLOCK_N=t.decode_block_n,
+                    DECODE_STAGES=3, SPLITS=splits,
+                )  # fmt: skip
+                compile_sm90(at.mixed_step_kernel, consts, t.num_warps, pointers)
         compile_sm90(at.decode_combine_kernel, dict(HQ=32, D=head_dim, D_PAD=head_dim, SPLITS=2))
         compile_sm90(kw.kv_write_kernel, dict(HKV=8, D=head_dim, H_PAD=8, D_PAD=head_dim))
     print("compiled")

@@ -323,9 +323,10 @@ def _mixed_static(case: Case, pad_rows: int, pad_seqs: int, tile_rows: int, boun
 def test_interp_static_mixed_step_with_tile_map() -> None:
     from loraplex.layers.attention_triton import paged_attention_triton
 
-    # a captured mixed step: decode rows, a chunk continuing a cached prefix and a first chunk
-    # (several query tiles), 5 padding rows and 2 empty sequences that must write and read nothing
-    case = make_case([(40, 1), (20, 37), (0, 1), (0, 18)], 4, 2, 32, torch.float32, "cpu", seed=17)
+    # a captured mixed step: decode rows (one long enough to split its keys), a chunk continuing a
+    # cached prefix and a first chunk (several query tiles), 5 padding rows and 2 empty sequences
+    # that must write and read nothing; decode and prefill programs in one launch
+    case = make_case([(40, 1), (20, 37), (150, 1), (0, 1), (0, 18)], 4, 2, 32, torch.float32, "cpu", seed=17)
     q, k, v, meta = _mixed_static(case, pad_rows=5, pad_seqs=2, tile_rows=16, bound=512)
     scale = 32**-0.5
     ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
