@@ -30,9 +30,12 @@ class AttentionTiling:
 DEFAULT_TILING = AttentionTiling()
 
 
-def tiling_for(head_dim: int, base: AttentionTiling = DEFAULT_TILING) -> AttentionTiling:
+def tiling_for(head_dim: int, base: AttentionTiling | None = None) -> AttentionTiling:
     """Halve the key tiles and double the warps for head_dim > 128 (register and shared-memory
-    pressure)."""
+    pressure). `base` defaults to the module's DEFAULT_TILING as it is at the call, so a benchmark
+    can compare tilings by replacing it before it builds an engine
+    (`benchmarks/attention_tiling_ab.py`)."""
+    base = base or DEFAULT_TILING
     if head_dim > 128:
         return replace(base, decode_block_n=32, prefill_block_n=min(base.prefill_block_n, 32), num_warps=8)
     return base
