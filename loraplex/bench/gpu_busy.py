@@ -76,7 +76,7 @@ class BusyWindow:
 # Kernel kinds by name (the first match wins). The package's Triton kernels are named by their
 # functions; cuBLAS's GEMM kernels by their library's conventions (nvjet, sm90_xmma, cutlass).
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("decode_kernel", "decode_combine_kernel", "prefill_kernel")),
+    ("attention", ("decode_kernel", "decode_combine_kernel", "prefill_kernel", "mixed_step_kernel")),
     ("lora", ("lora_shrink", "lora_expand")),
     ("kv write", ("kv_write",)),
     ("norm, rotary, activation", ("rmsnorm", "rotary", "silu_mul")),

@@ -156,6 +156,7 @@ def test_kernel_time_by_kind_sums_each_kernel_into_its_kind() -> None:
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_cublas", 1, "gemm"),
     ]
     assert kernel_kind("decode_combine_kernel") == "attention"
+    assert kernel_kind("mixed_step_kernel") == "attention"  # a captured mixed step's one launch
     assert kernel_kind("_silu_mul_kernel") == "norm, rotary, activation"
 
 
