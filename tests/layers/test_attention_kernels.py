@@ -287,7 +287,9 @@ def _mixed_static(case: Case, pad_rows: int, pad_seqs: int, tile_rows: int, boun
     m = case.meta_kernel
     n, width = m.block_table.shape
     rows = int(m.query_start_t[-1])
+    dev = case.q.device
     extra = lambda x: torch.cat([x, torch.randn(pad_rows, *x.shape[1:]).to(x)])  # noqa: E731
+    i32 = lambda x: x.to(torch.int32).to(dev)  # noqa: E731
     starts = m.query_start_t.tolist()
     tiles = []
     for s in range(n):
@@ -300,20 +302,20 @@ def _mixed_static(case: Case, pad_rows: int, pad_seqs: int, tile_rows: int, boun
         extra(case.k),
         extra(case.v),
         AttentionMetadata(
-            positions=torch.cat([m.positions, torch.zeros(pad_rows, dtype=torch.int64)]),
-            slot_mapping=torch.cat([m.slot_mapping, torch.full((pad_rows,), -1)]),
+            positions=torch.cat([m.positions, torch.zeros(pad_rows, dtype=torch.int64, device=dev)]),
+            slot_mapping=torch.cat([m.slot_mapping, torch.full((pad_rows,), -1, device=dev)]),
             query_start=tuple(range(n + pad_seqs + 1)),  # the captured shape only
             context_lens=(0,) * (n + pad_seqs),
             kv_indices=(),
             block_tables=(),
-            block_table=torch.cat([m.block_table, torch.zeros(pad_seqs, width, dtype=torch.int32)]),
-            context_lens_t=torch.cat([m.context_lens_t, torch.zeros(pad_seqs, dtype=torch.int32)]),
-            query_start_t=torch.cat([m.query_start_t, torch.full((pad_seqs,), rows, dtype=torch.int32)]),
+            block_table=torch.cat([m.block_table, i32(torch.zeros(pad_seqs, width))]),
+            context_lens_t=torch.cat([m.context_lens_t, i32(torch.zeros(pad_seqs))]),
+            query_start_t=torch.cat([m.query_start_t, i32(torch.full((pad_seqs,), rows))]),
             max_query_len=rows + pad_rows,
             max_context_len=bound,
             num_decode_seqs=n + pad_seqs,
             static=True,
-            prefill_tiles=torch.tensor(tiles + [-1] * (capacity - len(tiles)), dtype=torch.int32),
+            prefill_tiles=torch.tensor(tiles + [-1] * (capacity - len(tiles)), dtype=torch.int32, device=dev),
             prefill_tile_rows=tile_rows,
         ),
     )
@@ -351,6 +353,28 @@ def test_interp_static_mixed_step_with_tile_map(monkeypatch: pytest.MonkeyPatch)
     out_ref = paged_attention_torch(q, k, v, k2, v2, meta, scale, None)
     assert torch.equal(k2, ref_k) and (out_ref[:rows] - ref).abs().max() <= 1e-6
     assert torch.equal(out_ref[rows:], torch.zeros_like(out_ref[rows:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n_q", "n_kv", "head_dim"), [(32, 8, 128), (16, 2, 256)])
+def test_gpu_static_mixed_step_in_one_launch(n_q: int, n_kv: int, head_dim: int) -> None:
+    """A captured mixed step's one launch at serving sizes, in bf16: 40 decode rows at contexts up
+    to 3,000 (split over their keys with 2 kv heads), a 320-row chunk after 600 cached tokens, a
+    new 130-token prompt, 30 padding rows, 3 empty sequences; the shipped tiling."""
+    from loraplex.layers.attention_triton import paged_attention_triton
+
+    g = torch.Generator().manual_seed(4)
+    seqs = [(int(c), 1) for c in torch.randint(1, 3000, (40,), generator=g)] + [(600, 320), (0, 130)]
+    case = make_case(seqs, n_q, n_kv, head_dim, torch.bfloat16, "cuda", seed=head_dim)
+    q, k, v, meta = _mixed_static(case, pad_rows=30, pad_seqs=3, tile_rows=64, bound=4096)
+    up = [x.double() for x in (case.q, case.k, case.v, case.k_cache, case.v_cache)]
+    scale = head_dim**-0.5
+    ref = paged_attention_torch(*up, case.meta_ref, scale, None)
+    rows = ref.shape[0]
+    out = paged_attention_triton(q, k, v, case.k_cache.clone(), case.v_cache.clone(), meta, scale, None)
+    assert torch.isfinite(out).all()
+    assert ((out[:rows].double() - ref).abs().max() / ref.abs().max()).item() <= 2e-2
+    assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
 
 
 def test_one_factory_picks_the_attention_backend() -> None:
