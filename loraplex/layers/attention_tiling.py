@@ -1,7 +1,6 @@
 """Launch shapes of the paged-attention kernels (`attention_kernels_triton.py` and its
-siblings): tiles per head size and
-the decode launch's split-K factor. Pure Python (no triton import), so the graph runner and tests
-read them anywhere."""
+siblings): tiles per head size and the decode launch's split-K factor. Pure Python (no triton
+import), so the graph runner and tests read them anywhere."""
 
 from __future__ import annotations
 
