@@ -177,7 +177,7 @@ def _launch_prefill(
         qk_scale, window,
         GROUP=group, D=head_dim, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=tiling.prefill_block_n,
         PREC=prec, FOR_LOOP=for_loop, TILE_MAP=meta.prefill_tiles is not None,
-        STAGES=tiling.prefill_num_stages, num_warps=tiling.num_warps, num_stages=tiling.prefill_num_stages,
+        STAGES=tiling.prefill_num_stages, num_warps=tiling.num_warps,
     )  # fmt: skip
 
 

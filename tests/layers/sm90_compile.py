@@ -42,12 +42,12 @@ def main() -> None:
             for tile_map in (False, True):
                 tiles = dict(BLOCK_M=t.prefill_block_m, BLOCK_N=t.prefill_block_n)
                 consts = dict(common, **tiles, TILE_MAP=tile_map, STAGES=stages)
-                compile_sm90(at.prefill_kernel, consts, t.num_warps, pointers, num_stages=stages)
+                compile_sm90(at.prefill_kernel, consts, t.num_warps, pointers)
             for splits in (1, 2):  # a mixed step's one launch: its shared memory is the larger half's
                 consts = dict(
                     common, G_PAD=16, HKV=32 // group, BLOCK_M=t.prefill_block_m,
                     PREFILL_BLOCK_N=t.prefill_block_n, PREFILL_STAGES=stages, DECODE_BLOCK_N=t.decode_block_n,
-                    DECODE_STAGES=3, SPLITS=splits,
+                    DECODE_STAGES=at.DECODE_STAGES.value, SPLITS=splits,
                 )  # fmt: skip
                 compile_sm90(at.mixed_step_kernel, consts, t.num_warps, pointers)
         compile_sm90(at.decode_combine_kernel, dict(HQ=32, D=head_dim, D_PAD=head_dim, SPLITS=2))
