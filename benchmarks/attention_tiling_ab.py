@@ -5,9 +5,10 @@ batch, and a table last.
 
     python benchmarks/attention_tiling_ab.py "" "prefill_num_stages=4" [--requests 1000]
 
-Each spec is `field=value[,field=value]` over `AttentionTiling` (`layers/attention_tiling.py`);
-"" is the shipped tiling. Each run writes `bench serve`'s JSON, markdown and plot under --out.
-One 1,000-request run takes ~2 minutes on an H200 (a warm-up, then ~30 s of serving).
+Each spec is `field=value[,field=value]` over `AttentionTiling`'s integer fields
+(`layers/attention_tiling.py`); "" is the shipped tiling. Each run writes `bench serve`'s JSON,
+markdown and plot under --out. One 1,000-request run takes ~2 minutes on an H200 (a warm-up,
+then ~30 s of serving).
 """
 
 from __future__ import annotations
@@ -33,19 +34,15 @@ WORKLOAD = [
 SMOKE = ["--smoke", "--base-share", "1.0", "--no-base-compare", "--quiet"]
 
 
-def parse_spec(spec: str) -> dict[str, Any]:
-    """`a=1,b=true` -> {"a": 1, "b": True}, typed by AttentionTiling's fields."""
-    types = {f.name: f.type for f in dataclasses.fields(attention_tiling.AttentionTiling)}
-    out: dict[str, Any] = {}
+def parse_spec(spec: str) -> dict[str, int]:
+    """`a=1,b=2` -> {"a": 1, "b": 2} over AttentionTiling's (integer) fields."""
+    names = [f.name for f in dataclasses.fields(attention_tiling.AttentionTiling)]
+    out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
-        if name not in types:
-            raise SystemExit(f"unknown AttentionTiling field {name!r}; fields: {', '.join(types)}")
-        kind = str(types[name])
-        if "bool" in kind:
-            out[name] = value.lower() in ("1", "true", "yes")
-        else:
-            out[name] = int(value) if "int" in kind else float(value)
+        if name not in names:
+            raise SystemExit(f"unknown AttentionTiling field {name!r}; fields: {', '.join(names)}")
+        out[name] = int(value)
     return out
 
 
