@@ -24,6 +24,11 @@ class AttentionTiling:
     programs_per_sm: int = 2  # decode split-K: split until S * Hkv * splits reaches this many per SM
     max_splits: int = 32
     num_warps: int = 4
+    # A captured mixed step's one launch (`attention_mixed_triton.py`): registers per thread at
+    # most (0: the compiler's choice). Uncapped it takes ~196 at head size 128, two programs an
+    # SM; at 168 (a 16-byte spill) three fit, as shared memory allows. At head size 256 shared
+    # memory allows one whatever the registers, so no cap there.
+    one_launch_max_registers: int = 168
 
 
 DEFAULT_TILING = AttentionTiling()
@@ -36,7 +41,10 @@ def tiling_for(head_dim: int, base: AttentionTiling | None = None) -> AttentionT
     (`benchmarks/attention_tiling_ab.py`)."""
     base = base or DEFAULT_TILING
     if head_dim > 128:
-        return replace(base, decode_block_n=32, prefill_block_n=min(base.prefill_block_n, 32), num_warps=8)
+        return replace(
+            base, decode_block_n=32, prefill_block_n=min(base.prefill_block_n, 32), num_warps=8,
+            one_launch_max_registers=0,
+        )  # fmt: skip
     return base
 
 

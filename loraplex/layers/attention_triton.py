@@ -43,6 +43,12 @@ __all__ = [
 ]
 
 
+# A captured mixed step's one launch runs the prefill programs of the tile map's first entries (as
+# many as the step's row tiles, plus these) before its decode programs, the rest after them
+# (`attention_mixed_triton.py`).
+SPARE_TILE_ENTRIES = 2
+
+
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
@@ -72,10 +78,9 @@ def paged_attention_triton(
     assert n_q % n_kv == 0 and q.stride(2) == 1
     tiling = tiling or tiling_for(head_dim)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    # A captured mixed step's padding rows belong to no sequence, so no launch writes them: zeros,
-    # not whatever the memory held, flow on through their (unread) rows.
-    alloc = torch.zeros if meta.prefill_tiles is not None else torch.empty
-    out = alloc((n_tok, n_q, head_dim), dtype=q.dtype, device=q.device)
+    # A captured mixed step's padding rows belong to no sequence, so no launch writes them: they
+    # hold what the memory held, and every later op keeps rows apart, so none reaches a real row.
+    out = torch.empty((n_tok, n_q, head_dim), dtype=q.dtype, device=q.device)
     n_seq = meta.num_seqs
     if n_tok == 0 or n_seq == 0:
         return out
@@ -117,14 +122,15 @@ def paged_attention_triton(
         if one_launch:
             tiles = meta.prefill_tiles
             assert tiles is not None and meta.prefill_tile_rows == tiling.prefill_block_m
-            n_tile_programs = tiles.shape[0] * n_q
-            mixed_step_kernel[(n_tile_programs + n_seq * n_kv * splits,)](
-                *common, tiles, *strides, qk_scale, window, n_tile_programs,
+            cap = tiles.shape[0]
+            entries = min(cap, _cdiv(n_tok, tiling.prefill_block_m) + SPARE_TILE_ENTRIES)
+            mixed_step_kernel[(cap * n_q + n_seq * n_kv * splits,)](
+                *common, tiles, *strides, qk_scale, window, entries, n_seq,
                 GROUP=group, G_PAD=_pow2(group), HKV=n_kv, D=head_dim, D_PAD=d_pad, BS=bs,
                 BLOCK_M=tiling.prefill_block_m, PREFILL_BLOCK_N=tiling.prefill_block_n,
                 PREFILL_STAGES=tiling.prefill_num_stages, DECODE_BLOCK_N=block_n,
                 DECODE_STAGES=DECODE_STAGES.value, SPLITS=splits, PREC=prec, FOR_LOOP=for_loop,
-                num_warps=tiling.num_warps,
+                num_warps=tiling.num_warps, **_register_cap(tiling),
             )  # fmt: skip
         else:
             decode_kernel[(n_seq, n_kv, splits)](
@@ -140,6 +146,12 @@ def paged_attention_triton(
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     return out
+
+
+def _register_cap(tiling: AttentionTiling) -> dict[str, int]:
+    """The one launch's register cap as a launch option (none: the compiler's choice)."""
+    cap = tiling.one_launch_max_registers
+    return {"maxnreg": cap} if cap else {}
 
 
 def _launch_prefill(

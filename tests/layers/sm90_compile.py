@@ -49,7 +49,8 @@ def main() -> None:
                     PREFILL_BLOCK_N=t.prefill_block_n, PREFILL_STAGES=stages, DECODE_BLOCK_N=t.decode_block_n,
                     DECODE_STAGES=at.DECODE_STAGES.value, SPLITS=splits,
                 )  # fmt: skip
-                compile_sm90(at.mixed_step_kernel, consts, t.num_warps, pointers)
+                cap = {"maxnreg": t.one_launch_max_registers} if t.one_launch_max_registers else {}
+                compile_sm90(at.mixed_step_kernel, consts, t.num_warps, pointers, **cap)
         compile_sm90(at.decode_combine_kernel, dict(HQ=32, D=head_dim, D_PAD=head_dim, SPLITS=2))
         compile_sm90(kw.kv_write_kernel, dict(HKV=8, D=head_dim, H_PAD=8, D_PAD=head_dim))
     print("compiled")

@@ -322,8 +322,13 @@ def _mixed_static(case: Case, pad_rows: int, pad_seqs: int, tile_rows: int, boun
 
 
 @needs_interp
-def test_interp_static_mixed_step_with_tile_map(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("spare", [2, -2])
+def test_interp_static_mixed_step_with_tile_map(monkeypatch: pytest.MonkeyPatch, spare: int) -> None:
+    from loraplex.layers import attention_triton
     from loraplex.layers.attention_triton import paged_attention_triton
+
+    # -2: fewer prefill programs than the map's real entries, so each walks several in turn
+    monkeypatch.setattr(attention_triton, "SPARE_TILE_ENTRIES", spare)
 
     real_empty = torch.empty
 
@@ -346,13 +351,11 @@ def test_interp_static_mixed_step_with_tile_map(monkeypatch: pytest.MonkeyPatch)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     out = paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale, None, _interp_tiling())
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # padding wrote nothing
-    assert (out[:rows] - ref).abs().max() <= 1e-4
-    assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
+    assert (out[:rows] - ref).abs().max() <= 1e-4  # (padding rows: unwritten, NaN here)
     # the torch reference runs the same static metadata (reading its device tensors)
     k2, v2 = case.k_cache.clone(), case.v_cache.clone()
     out_ref = paged_attention_torch(q, k, v, k2, v2, meta, scale, None)
     assert torch.equal(k2, ref_k) and (out_ref[:rows] - ref).abs().max() <= 1e-6
-    assert torch.equal(out_ref[rows:], torch.zeros_like(out_ref[rows:]))
 
 
 @pytest.mark.gpu
@@ -372,9 +375,8 @@ def test_gpu_static_mixed_step_in_one_launch(n_q: int, n_kv: int, head_dim: int)
     ref = paged_attention_torch(*up, case.meta_ref, scale, None)
     rows = ref.shape[0]
     out = paged_attention_triton(q, k, v, case.k_cache.clone(), case.v_cache.clone(), meta, scale, None)
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(out[:rows]).all()
     assert ((out[:rows].double() - ref).abs().max() / ref.abs().max()).item() <= 2e-2
-    assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
 
 
 def test_one_factory_picks_the_attention_backend() -> None:
