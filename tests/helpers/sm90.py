@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -32,11 +34,13 @@ def compile_sm90(  # noqa: ANN201
     pointers: dict[str, str],
     num_warps: int = 4,
     divisible: frozenset[str] = frozenset(),
+    min_programs_per_sm: int = 0,
     **options,  # noqa: ANN003
 ) -> str:
     """The kernel's PTX for sm_90; arguments not in `pointers` or `constexprs` are i32. Arguments
     named in `divisible` are declared multiples of 16 (pointers: 16-byte aligned), as the JIT
-    declares them when a launch's values are; without that, no load vectorizes."""
+    declares them when a launch's values are; without that, no load vectorizes.
+    `min_programs_per_sm`: also check that so many of its blocks fit an SM at once."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -54,10 +58,43 @@ def compile_sm90(  # noqa: ANN201
     # A launch asking for more shared memory than an SM has fails only on the GPU (out of resources)
     shared = kernel.metadata.shared
     assert shared <= SM90_MAX_SHARED, f"{fn.__name__} {constexprs} {options}: {shared} bytes of shared memory"
+    if min_programs_per_sm:
+        fits = programs_per_sm(kernel.asm["cubin"], shared, num_warps)
+        assert fits >= min_programs_per_sm, (
+            f"{fn.__name__} {constexprs} {options}: {fits} programs an SM ({shared} bytes of shared memory)"
+        )
     return kernel.asm["ptx"]
 
 
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+SM90_SHARED_PER_SM = 233472  # bytes of shared memory an SM has for blocks (228 KiB)
+SM90_REGISTERS_PER_SM = 65536
+
+
+def registers_of(cubin: bytes) -> int:
+    """Registers a thread of the cubin's kernel uses (`cuobjdump --dump-resource-usage`, shipped
+    with triton's NVIDIA backend)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], check=True, capture_output=True, text=True
+        )
+    found = re.search(r"REG:(\d+)", usage.stdout)
+    assert found, usage.stdout
+    return int(found.group(1))
+
+
+def programs_per_sm(cubin: bytes, shared: int, num_warps: int) -> int:
+    """How many blocks of the kernel an sm_90 SM holds at once, by registers (allocated per warp
+    in units of 256) and shared memory (plus the 1 KiB the driver reserves per block)."""
+    per_warp = -(-registers_of(cubin) * 32 // 256) * 256
+    by_registers = SM90_REGISTERS_PER_SM // (per_warp * num_warps)
+    by_shared = SM90_SHARED_PER_SM // (shared + 1024)
+    return min(by_registers, by_shared)
 
 
 def run_compile_script(module: str) -> None:
