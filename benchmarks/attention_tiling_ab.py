@@ -20,18 +20,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from loraplex.bench.cli import main as bench_main
+from serve_base_run import run_base_only  # benchmarks/, this script's folder
+
 from loraplex.layers import attention_tiling
-
-WORKLOAD = [
-    "--random-layers", "32", "--num-adapters", "32", "--ranks", "16", "--popularity", "zipf:1.0",
-    "--base-share", "1.0", "--prompt-len", "uniform:128:1024", "--output-len", "uniform:64:256",
-    "--arrivals", "closed:64", "--no-base-compare", "--quiet",
-]  # fmt: skip
-
-
-# The script's own check on a CPU (the demo model; the tiling is not used there, the plumbing is)
-SMOKE = ["--smoke", "--base-share", "1.0", "--no-base-compare", "--quiet"]
 
 
 def parse_spec(spec: str) -> dict[str, int]:
@@ -49,23 +40,8 @@ def parse_spec(spec: str) -> dict[str, int]:
 def run_one(spec: str, index: int, args: argparse.Namespace) -> dict[str, Any]:
     shipped = attention_tiling.AttentionTiling()
     attention_tiling.DEFAULT_TILING = dataclasses.replace(shipped, **parse_spec(spec))
-    out = Path(args.out) / f"run{index}"
-    workload = SMOKE if args.smoke else ["--device", args.device, *WORKLOAD]
-    bench_main(["serve", *workload, "--num-requests", str(args.requests), "--seed", str(args.seed),
-                "--out", str(out)])  # fmt: skip
-    report = json.loads((out / "serve.json").read_text())
-    run = report["adapters"]  # the one measured run (every request on the base model)
-    steps = run["steps"]
-    nan = float("nan")
-    decode = steps["full_batch_decode"]["output_tokens_per_s"] or nan  # None: no full decode batch
-    result = {
-        "spec": spec or "(shipped)",
-        "output_tokens_per_s": run["output_tokens_per_s"],
-        "ratio": run["output_tokens_per_s"] / decode,
-        "steady_ratio": ((run.get("steady") or {}).get("output_tokens_per_s") or nan) / decode,
-        "mixed_median_ms": steps["by_kind"].get("mixed", {}).get("median_s", nan) * 1e3,
-        "after_startup": report.get("after_startup"),
-    }
+    run = run_base_only(Path(args.out) / f"run{index}", args.requests, args.seed, args.device, args.smoke)
+    result = {"spec": spec or "(shipped)", **run}
     print("RESULT", json.dumps(result), flush=True)
     return result
 

@@ -7,7 +7,8 @@
 #   scripts/ab.sh run PASSES 'CMD' VERSION...  on the GPU machine: CMD in each version's tree,
 #                                            PASSES times round; VERSION is a prepared commit or HEAD
 #                                            (the working tree). In CMD, $AB_OUT is a directory of its
-#                                            own per run (under $OUT when set) and $AB_VERSION the version.
+#                                            own per run (under $OUT when set), $AB_VERSION the version
+#                                            and $AB_ROOT the checkout (its scripts and benchmarks).
 # e.g. scripts/ab.sh run 2 'python3 -m loraplex.bench.cli kernels --quick --no-sweep --out $AB_OUT' 8f94285 HEAD
 # Each run's output goes to $AB_OUT/log; its last line is printed with the version and pass.
 set -uo pipefail
@@ -39,7 +40,7 @@ case "${1:-}" in
         out=${OUT:-$root/bench-results}/ab/$v/pass$pass
         mkdir -p "$out"
         # the tree's own package first on the path: `python -m` runs from the tree's directory
-        (cd "$tree" && AB_OUT=$out AB_VERSION=$v bash -c "$cmd" > "$out/log" 2>&1)
+        (cd "$tree" && AB_OUT=$out AB_VERSION=$v AB_ROOT=$root bash -c "$cmd" > "$out/log" 2>&1)
         echo "pass $pass $v rc=$? $(tr '\r' '\n' < "$out/log" | grep -v '^\s*$' | tail -1 | cut -c1-150)"
       done
     done
