@@ -359,12 +359,19 @@ def test_interp_static_mixed_step_with_tile_map(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("spare", [2, -4])
 @pytest.mark.parametrize(("n_q", "n_kv", "head_dim"), [(32, 8, 128), (16, 2, 256)])
-def test_gpu_static_mixed_step_in_one_launch(n_q: int, n_kv: int, head_dim: int) -> None:
+def test_gpu_static_mixed_step_in_one_launch(
+    monkeypatch: pytest.MonkeyPatch, n_q: int, n_kv: int, head_dim: int, spare: int
+) -> None:
     """A captured mixed step's one launch at serving sizes, in bf16: 40 decode rows at contexts up
     to 3,000 (split over their keys with 2 kv heads), a 320-row chunk after 600 cached tokens, a
-    new 130-token prompt, 30 padding rows, 3 empty sequences; the shipped tiling."""
+    new 130-token prompt, 30 padding rows, 3 empty sequences; the shipped tiling. spare=-4: the
+    programs before the decode ones take 5 of the map's 8 real entries, the last 3 run after."""
+    from loraplex.layers import attention_triton
     from loraplex.layers.attention_triton import paged_attention_triton
+
+    monkeypatch.setattr(attention_triton, "SPARE_TILE_ENTRIES", spare)
 
     g = torch.Generator().manual_seed(4)
     seqs = [(int(c), 1) for c in torch.randint(1, 3000, (40,), generator=g)] + [(600, 320), (0, 130)]
