@@ -133,3 +133,33 @@ def test_warm_up_records_every_mixed_graph(models: dict) -> None:
     more = [(f"b{rid}", *rest) for rid, *rest in _requests(seed=10)[:8]]
     _drive(e, _requests(seed=9) + more)
     assert set(runner._graphs) == keys and runner.mixed_replays > 0
+
+
+def test_padding_rows_reach_no_real_row(models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A captured mixed step's attention leaves its padding rows unwritten (on CUDA, whatever the
+    # memory held). NaN there must stay there: every later op (norms, GEMMs, LoRA, the gather
+    # before the head) keeps rows apart.
+    from loraplex.layers import attention
+
+    poisoned = 0
+
+    def nan_padding(q, k, v, k_cache, v_cache, meta, scale, window):  # noqa: ANN001, ANN202
+        nonlocal poisoned
+        out = attention.paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale, window)
+        if meta.prefill_tiles is not None:  # a mixed shape: rows past the last sequence's are padding
+            real = int(meta.query_start_t[-1])
+            out[real:] = float("nan")
+            poisoned += out.shape[0] - real
+        return out
+
+    backend = attention.AttentionBackend("torch, padding rows NaN", nan_padding)
+    monkeypatch.setattr(attention, "make_attention_backend", lambda device_type: backend)
+    requests = _requests(seed=11)
+    eager = _drive(_llm(models, static=False).engine, requests)
+    static = _drive(_llm(models, static=True).engine, requests)
+    assert poisoned > 0
+    for rid, *_ in requests:
+        a, b = eager[rid], static[rid]
+        assert a.token_ids == b.token_ids, rid
+        for lpa, lpb in zip(a.logprobs, b.logprobs, strict=True):
+            assert all(lpa[t] == pytest.approx(lpb[t], abs=1e-5) for t in lpa), rid
