@@ -327,7 +327,8 @@ def test_interp_static_mixed_step_with_tile_map(monkeypatch: pytest.MonkeyPatch,
     from loraplex.layers import attention_triton
     from loraplex.layers.attention_triton import paged_attention_triton
 
-    # -2: fewer prefill programs than the map's real entries, so each walks several in turn
+    # -2: the programs before the decode ones hold fewer entries than the map has real tiles, so
+    # the rest must run in the programs after the decode ones
     monkeypatch.setattr(attention_triton, "SPARE_TILE_ENTRIES", spare)
 
     real_empty = torch.empty
