@@ -80,6 +80,41 @@ class StepRecord:
         return 1 << max(0, (self.rows - 1).bit_length())
 
 
+def worst_step(
+    steps: list[StepRecord], buckets: dict[tuple[str, int], list[float]] | None = None
+) -> dict[str, Any] | None:
+    """The step longest against the median of its kind and row bucket (buckets of at least 3
+    steps), and where it ran: its kind, rows, bucket, seconds, that median and count, its index
+    and start (seconds from the first step). None without such a bucket."""
+    if buckets is None:
+        buckets = defaultdict(list)
+        for s in steps:
+            buckets[(s.kind, s.bucket)].append(s.seconds)
+    medians = {k: statistics.median(v) for k, v in buckets.items() if len(v) >= 3}
+    best: tuple[float, int] | None = None
+    for i, s in enumerate(steps):
+        median = medians.get((s.kind, s.bucket))
+        if median and (best is None or s.seconds / median > best[0]):
+            best = (s.seconds / median, i)
+    if best is None:
+        return None
+    ratio, i = best
+    s = steps[i]
+    key = (s.kind, s.bucket)
+    return {
+        "over_median": ratio,
+        "kind": s.kind,
+        "rows": s.rows,
+        "decode_rows": s.decode_rows,
+        "bucket": s.bucket,
+        "seconds": s.seconds,
+        "bucket_median_s": medians[key],
+        "bucket_steps": len(buckets[key]),
+        "index": i,
+        "at_s": s.start_s - steps[0].start_s,
+    }
+
+
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
@@ -240,7 +275,8 @@ def summarize(
         buckets[(s.kind, s.bucket)].append(s.seconds)
     # The worst step against the median of steps of its own kind and row bucket: a step that
     # compiles or captures mid-traffic stands out here.
-    outlier = max((max(v) / statistics.median(v) for v in buckets.values() if len(v) >= 3), default=None)
+    worst = worst_step(steps, buckets)
+    outlier = None if worst is None else worst["over_median"]
     decode = [s for s in steps if s.kind == "decode"]
     full = full_decode_steps(steps, max_num_seqs)
     full_median = statistics.median(full) if full else None
@@ -266,6 +302,7 @@ def summarize(
                 for k, v in sorted(kinds.items())
             },
             "max_over_median_same_kind_and_bucket": outlier,
+            "worst_step": worst,  # which step that is: kind, rows, when, its bucket's median and size
             "lora_segments_mean": statistics.fmean(s.lora_segments for s in steps) if steps else 0.0,
             "lora_segments_max": max((s.lora_segments for s in steps), default=0),
             "batch_occupancy_mean": statistics.fmean(s.sequences for s in steps) / max_num_seqs

@@ -13,6 +13,21 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}"
 
 
+def _worst(steps: dict[str, Any]) -> str:
+    """The worst step against its kind and row bucket's median, and which step it was."""
+    ratio = steps["max_over_median_same_kind_and_bucket"]
+    w = steps.get("worst_step")  # absent in results written before it was recorded
+    if ratio is None:
+        return "-"
+    if not w:
+        return f"{ratio:.2f}"
+    return (
+        f"{ratio:.2f} (a {w['kind']} step of {w['rows']} rows, {w['decode_rows']} decoding, "
+        f"{_ms(w['seconds'])} ms at {w['at_s']:.2f} s; its bucket of {w['bucket']} rows: "
+        f"{w['bucket_steps']} steps, median {_ms(w['bucket_median_s'])} ms)"
+    )
+
+
 def _latency_rows(title: str, lat: dict[str, Any]) -> str:
     t, p, e = lat["ttft_s"], lat["tpot_s"], lat["e2e_s"]
     return (
@@ -166,12 +181,11 @@ def markdown(report: dict[str, Any]) -> str:
             kinds = ", ".join(
                 f"{k} {v['count']} (median {_ms(v['median_s'])} ms)" for k, v in s["by_kind"].items()
             )
-            worst = s["max_over_median_same_kind_and_bucket"]
             replay = s["graph_replay_ratio"]
             lines += [
                 "",
                 f"steps: {s['count']}: {kinds}; worst step / median of its kind and row bucket: "
-                f"{'-' if worst is None else f'{worst:.2f}'}; LoRA segments per step mean "
+                f"{_worst(s)}; LoRA segments per step mean "
                 f"{s['lora_segments_mean']:.2f}, max {s['lora_segments_max']}; batch occupancy "
                 f"{s['batch_occupancy_mean']:.2f}; CUDA-graph replays of decode steps "
                 f"{'-' if replay is None else f'{replay:.2f}'}",

@@ -439,3 +439,34 @@ def test_step_records_on_request(tmp_path: Path) -> None:
     assert (
         "step_records" not in run(ServeBenchArgs.smoke_args(), tmp_path / "plain", progress=False)["adapters"]
     )
+
+
+def test_worst_step_names_the_step_against_its_own_buckets_median() -> None:
+    """The outlier is judged within its kind and power-of-two row bucket (buckets of 3 or more):
+    a slow decode step of 64 rows beats a longer mixed step whose bucket takes that long anyway,
+    and a lone step in a bucket of two is not judged."""
+    from loraplex.bench.serve_metrics import StepRecord, summarize, worst_step
+
+    def step(start: float, seconds: float, rows: int, decode: int) -> StepRecord:
+        return StepRecord(start, seconds, rows, decode, 0, decode + 1, True)
+
+    steps = [
+        step(1.0, 0.007, 64, 64),
+        step(1.1, 0.007, 64, 64),
+        step(1.2, 0.021, 64, 64),  # 3x its bucket's median: the outlier
+        step(1.3, 0.007, 64, 64),
+        step(1.4, 0.030, 384, 60),
+        step(1.5, 0.031, 384, 60),
+        step(1.6, 0.050, 384, 60),  # 1.6x
+        step(1.7, 0.001, 16, 16),  # a bucket of two steps: not judged
+        step(1.8, 0.009, 16, 16),
+    ]
+    w = worst_step(steps)
+    assert w is not None
+    assert (w["kind"], w["rows"], w["bucket"], w["index"], w["bucket_steps"]) == ("decode", 64, 64, 2, 4)
+    assert w["over_median"] == pytest.approx(3.0) and w["at_s"] == pytest.approx(0.2)
+    assert w["bucket_median_s"] == pytest.approx(0.007)
+    assert worst_step(steps[7:]) is None
+    summary = summarize([], steps, 1.0, 64)
+    assert summary["steps"]["max_over_median_same_kind_and_bucket"] == pytest.approx(3.0)
+    assert summary["steps"]["worst_step"] == w
