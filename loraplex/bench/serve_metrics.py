@@ -80,16 +80,13 @@ class StepRecord:
         return 1 << max(0, (self.rows - 1).bit_length())
 
 
-def worst_step(
-    steps: list[StepRecord], buckets: dict[tuple[str, int], list[float]] | None = None
-) -> dict[str, Any] | None:
+def worst_step(steps: list[StepRecord]) -> dict[str, Any] | None:
     """The step longest against the median of its kind and row bucket (buckets of at least 3
     steps), and where it ran: its kind, rows, bucket, seconds, that median and count, its index
     and start (seconds from the first step). None without such a bucket."""
-    if buckets is None:
-        buckets = defaultdict(list)
-        for s in steps:
-            buckets[(s.kind, s.bucket)].append(s.seconds)
+    buckets: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for s in steps:
+        buckets[(s.kind, s.bucket)].append(s.seconds)
     medians = {k: statistics.median(v) for k, v in buckets.items() if len(v) >= 3}
     best: tuple[float, int] | None = None
     for i, s in enumerate(steps):
@@ -269,13 +266,11 @@ def summarize(
         if t.tier is not None:
             by_tier[t.tier].append(t)
     kinds: dict[str, list[StepRecord]] = defaultdict(list)
-    buckets: dict[tuple[str, int], list[float]] = defaultdict(list)
     for s in steps:
         kinds[s.kind].append(s)
-        buckets[(s.kind, s.bucket)].append(s.seconds)
     # The worst step against the median of steps of its own kind and row bucket: a step that
     # compiles or captures mid-traffic stands out here.
-    worst = worst_step(steps, buckets)
+    worst = worst_step(steps)
     outlier = None if worst is None else worst["over_median"]
     decode = [s for s in steps if s.kind == "decode"]
     full = full_decode_steps(steps, max_num_seqs)
