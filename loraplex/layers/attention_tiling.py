@@ -29,12 +29,6 @@ class AttentionTiling:
     # SM; at 168 (a 16-byte spill) three fit, as shared memory allows. At head size 256 shared
     # memory allows one whatever the registers, so no cap there.
     one_launch_max_registers: int = 168
-    # The one launch's decode key walk: pipeline depth. Its programs run with the prefill part's
-    # footprint (3 an SM at head size 128, against 4 for `decode_kernel` alone), which made the
-    # decode rows' part 26% slower than `decode_kernel` on the H200 (docs/attention.md, kernel 5);
-    # the shared memory each program reserves anyway would hold a deeper pipeline. Same as the
-    # decode kernel's until measured otherwise.
-    one_launch_decode_stages: int = 3
 
 
 DEFAULT_TILING = AttentionTiling()

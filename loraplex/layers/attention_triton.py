@@ -17,6 +17,7 @@ import torch
 import triton
 
 from loraplex.layers.attention_kernels_triton import (
+    DECODE_STAGES,
     LOG2E,
     NO_WINDOW,
     decode_combine_kernel,
@@ -128,7 +129,7 @@ def paged_attention_triton(
                 GROUP=group, G_PAD=_pow2(group), HKV=n_kv, D=head_dim, D_PAD=d_pad, BS=bs,
                 BLOCK_M=tiling.prefill_block_m, PREFILL_BLOCK_N=tiling.prefill_block_n,
                 PREFILL_STAGES=tiling.prefill_num_stages, DECODE_BLOCK_N=block_n,
-                DECODE_STAGES=tiling.one_launch_decode_stages, SPLITS=splits, PREC=prec, FOR_LOOP=for_loop,
+                DECODE_STAGES=DECODE_STAGES.value, SPLITS=splits, PREC=prec, FOR_LOOP=for_loop,
                 num_warps=tiling.num_warps, **_register_cap(tiling),
             )  # fmt: skip
         else:

@@ -48,7 +48,7 @@ def main() -> None:
                 consts = dict(
                     common, G_PAD=16, HKV=32 // group, BLOCK_M=t.prefill_block_m,
                     PREFILL_BLOCK_N=t.prefill_block_n, PREFILL_STAGES=stages, DECODE_BLOCK_N=t.decode_block_n,
-                    DECODE_STAGES=t.one_launch_decode_stages, SPLITS=splits,
+                    DECODE_STAGES=at.DECODE_STAGES.value, SPLITS=splits,
                 )  # fmt: skip
                 cap = {"maxnreg": t.one_launch_max_registers} if t.one_launch_max_registers else {}
                 # bf16 at head size 128 (the serving case): three programs an SM, as the prefill
